@@ -1,0 +1,71 @@
+"""The attention backend interface and its registry. Models call backends only through this."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import torch
+
+from pellucid.attention.metadata import CommonAttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """One instance per model runner, shared by all attention layers (they have the same shapes).
+
+    KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values).
+    """
+
+    name: str = ""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Derive backend-specific metadata once per step (from host buffers; never read the device)."""
+        return common
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their slots; slot -1 is skipped."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
+        """Causal attention of query [T, heads, head_dim] over each request's cached prefix plus its
+        own new tokens (already written by write_kv). Returns [T, heads, head_dim]."""
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+    return wrap
+
+
+def get_backend_class(name: str) -> type[AttentionBackend]:
+    _import_builtin_backends()
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}")
+    return _BACKENDS[name]
+
+
+def available_backends() -> list[str]:
+    _import_builtin_backends()
+    return sorted(_BACKENDS)
+
+
+def _import_builtin_backends() -> None:
+    import pellucid.attention.torch_ref  # noqa: F401
+    try:
+        import pellucid.attention.triton_backend  # noqa: F401
+    except ImportError:
+        pass  # triton or the module not available; "triton" is then an unknown backend with a clear error

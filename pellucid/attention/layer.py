@@ -1,0 +1,41 @@
+"""The attention op inside a model: store the new keys/values in the paged cache, then attend.
+
+Per-step state (cache tensors, metadata, backend) comes from the forward context, so the model code
+stays the same for every backend and for eager or CUDA-graph execution.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pellucid.attention.metadata import get_forward_context
+
+
+class Attention(nn.Module):
+    """Causal paged attention for one decoder layer (`layer_idx` picks its KV cache)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.scale = scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query [T, heads(*head_dim)], key/value [T, kv_heads(*head_dim)] -> [T, heads * head_dim]."""
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        ctx = get_forward_context()
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        ctx.backend.write_kv(key, value, kv_cache, ctx.attn_metadata.slot_mapping)
+        output = ctx.backend.forward(query, kv_cache, ctx.backend_metadata, self.scale)
+        return output.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, scale={self.scale:.4g}")

@@ -1,0 +1,89 @@
+"""`pellucid generate | serve | bench | flashhead | extract`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pellucid.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request sampling seed (--seed seeds the engine's default generator)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="top alternatives to print per generated token")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from pellucid.sampling_params import SamplingParams
+    return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.sampling_seed, max_tokens=args.max_tokens, stop=args.stop,
+                          ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pellucid.default_model import ensure_default_model, is_default_model
+    from pellucid.llm import LLM
+
+    model = args.model or ensure_default_model()
+    if is_default_model(model):
+        print("[pellucid] using the embedded default model: RANDOM WEIGHTS, NOT TRAINED - its text is "
+              "gibberish. Pass --model DIR for a real model.", file=sys.stderr)
+    llm = LLM(model, **engine_kwargs_from_args(args))
+    params = sampling_params_from_args(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(list(args.prompts), params, use_tqdm=len(args.prompts) > 1)
+    for prompt, out in zip(args.prompts, outputs):
+        for comp in out.outputs:
+            tag = f" [{comp.index}]" if len(out.outputs) > 1 else ""
+            print(f"--- prompt: {prompt!r}{tag} ({len(comp.token_ids)} tokens, finish: {comp.finish_reason})")
+            print(comp.text)
+        if out.error:
+            print(f"error: {out.error}", file=sys.stderr)
+    return 1 if any(o.error for o in outputs) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pellucid", description="Pellucid: LLM inference with open internals.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    gen.add_argument("--model", default=None, help="HuggingFace-format model directory (default: embedded random model)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    for register in _subcommand_registrars():
+        register(sub)
+    return parser
+
+
+def _subcommand_registrars():
+    """Each feature package contributes its own subcommands."""
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

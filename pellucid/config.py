@@ -1,0 +1,102 @@
+"""Dataclass configs. `EngineConfig.from_kwargs` accepts the flat vLLM-style keyword names."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: torch.dtype | None = None) -> torch.dtype:
+    """`auto` means the checkpoint's dtype on GPU and float32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.startswith("cpu"):
+            return torch.float32
+        return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} was asked for but CUDA is not available on this machine")
+    return device
+
+
+@dataclass
+class ModelConfig:
+    model: str                      # a HuggingFace-format directory
+    tokenizer: str | None = None    # defaults to `model`
+    dtype: str = "auto"
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    seed: int = 0
+    served_model_name: str | None = None
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # None: on wherever the model supports it (EngineCore resolves it to a bool; hybrid models cannot).
+    enable_prefix_caching: bool | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None        # explicit pool size; overrides memory-based sizing
+    cpu_kv_cache_bytes: int = 1 << 30       # pool size on CPU when num_kv_blocks is not given
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # defaults to max(2048, max_model_len) capped at 8192
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class RunnerConfig:
+    device: str = "auto"
+    attention_backend: str = "auto"     # "torch" | "triton" | "flashinfer" | "auto"
+    enforce_eager: bool = False         # disables CUDA graphs
+    cuda_graph_sizes: list[int] | None = None
+
+
+@dataclass
+class HeadConfig:
+    name: str = "dense"                 # "dense" | "flashhead" | a plugin from the pellucid.heads entry points
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keyword arguments named as vLLM names them (max_model_len, max_num_seqs, ...)."""
+        head = kwargs.pop("head", "dense")
+        head_options = kwargs.pop("head_options", None) or {}
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
+        values: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        for key, value in kwargs.items():
+            owner = next((name for name, klass in sections.items()
+                          if key in {f.name for f in dataclasses.fields(klass)}), None)
+            if owner is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            values[owner][key] = value
+        return cls(model=ModelConfig(model=model, **values["model"]),
+                   cache=CacheConfig(**values["cache"]),
+                   scheduler=SchedulerConfig(**values["scheduler"]),
+                   runner=RunnerConfig(**values["runner"]),
+                   head=HeadConfig(name=head, options=dict(head_options)))

@@ -1,0 +1,40 @@
+"""Engine flags for the CLI, named as vLLM names them, shared by `generate`, `serve`, `bench` and `extract`."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto (checkpoint dtype on GPU, float32 on CPU), float32, bfloat16, float16")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory sizing)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps, mixed with decodes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + KV cache")
+    g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--attention-backend", default="auto", help="auto, torch, triton, flashinfer")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
+    g.add_argument("--head", default="dense", help="LM head: dense, flashhead, or a plugin name")
+    g.add_argument("--head-options", type=json.loads, default=None,
+                   help='JSON options for the head, e.g. \'{"probes": 256}\'')
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of `LLM(...)` / `EngineConfig.from_kwargs` for parsed CLI flags."""
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                attention_backend=args.attention_backend, seed=args.seed,
+                head=args.head, head_options=args.head_options)

@@ -1,0 +1,234 @@
+"""The engine core shared by LLM, AsyncLLM and the server: requests in, one step at a time, outputs out."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pellucid.config import EngineConfig, resolve_device, resolve_dtype
+from pellucid.engine.block_pool import BlockPool
+from pellucid.engine.kv_cache_manager import KVCacheManager
+from pellucid.engine.output_processor import OutputProcessor
+from pellucid.engine.request import Request, RequestStatus
+from pellucid.engine.scheduler import Scheduler
+from pellucid.logger import get_logger
+from pellucid.models.loader import load_model
+from pellucid.outputs import RequestOutput
+from pellucid.runner.model_runner import ModelRunner
+from pellucid.runner.output import ModelRunnerOutput
+from pellucid.sampling_params import SamplingParams
+from pellucid.tokenizer import eos_token_ids, load_tokenizer
+from pellucid.tracing.plan import finish_traced_requests, prepare_traced_request
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = torch.device(resolve_device(config.runner.device))
+        self.tokenizer = load_tokenizer(mc.tokenizer or mc.model)
+        torch.manual_seed(mc.seed)
+        dtype = resolve_dtype(mc.dtype, str(self.device), _config_dtype(mc.model))
+        self.model, self.hf_config = load_model(mc.model, dtype, self.device, mc.max_model_len)
+        self.dtype = next(self.model.parameters()).dtype
+        self.model_name = mc.served_model_name or mc.model
+        self.max_model_len = self._max_model_len()
+        sc = config.scheduler
+        if sc.max_num_batched_tokens is None:
+            sc.max_num_batched_tokens = min(max(2048, self.max_model_len), 8192) if sc.enable_chunked_prefill \
+                else self.max_model_len
+        self.eos_token_ids = eos_token_ids(mc.model, self.tokenizer, self.hf_config)
+        self.runner = ModelRunner(config, self.model, self.hf_config, self.device, self.dtype,
+                                  self.max_model_len, sc.max_num_batched_tokens)
+        self.num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self._resolve_prefix_caching()
+        self.block_pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sc, config.cache, self.kv_manager, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._pending_outputs: set[str] = set()   # parents with news not yet reported (aborts, errors)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        logger.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d KV cache: %d blocks x %d tokens "
+                    "= %d tokens; prefix caching %s, chunked prefill %s (budget %d tokens/step)",
+                    mc.model, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,
+                    self.num_blocks, config.cache.block_size, self.num_blocks * config.cache.block_size,
+                    "on" if config.cache.enable_prefix_caching else "off",
+                    "on" if sc.enable_chunked_prefill else "off", sc.max_num_batched_tokens)
+
+    # ---- prefix caching vs hybrid models (begin) -------------------------------------------------
+    def _resolve_prefix_caching(self) -> None:
+        """Turn `enable_prefix_caching` (None = wherever the model supports it) into a bool.
+
+        A hybrid model's recurrent state summarises the whole prefix and cannot be rebuilt from cached
+        attention KV, so such models never read or publish prefix-cache blocks; a user who asked for prefix
+        caching explicitly is told why it is off.
+        """
+        cache = self.config.cache
+        asked = cache.enable_prefix_caching
+        supported = self.runner.supports_prefix_caching
+        if not supported and asked is not False:
+            arch = type(self.model).__name__
+            reason = (f"{arch} keeps per-request recurrent state that cached attention KV cannot restore, "
+                      "so every request computes its prompt from the start")
+            if asked:
+                logger.warning("enable_prefix_caching=True was asked for, but prefix caching is off: %s", reason)
+            else:
+                logger.info("prefix caching off: %s", reason)
+        cache.enable_prefix_caching = supported and asked is not False
+    # ---- prefix caching vs hybrid models (end) ---------------------------------------------------
+
+    def _max_model_len(self) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        asked = self.config.model.max_model_len
+        if asked is None:
+            if limit is None:
+                raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+            return int(limit)
+        if limit is not None and asked > limit:
+            raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}")
+        return asked
+
+    # ---- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids for a prompt, or ValueError naming what is wrong with it."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            vocab = self.runner.head.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room for output within "
+                             f"max_model_len={self.max_model_len}")
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                             f"{sc.max_num_batched_tokens} with chunked prefill disabled")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    extras: dict[str, Any] | None = None) -> None:
+        if request_id in self.outputs.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()
+        ids = self.validate_prompt(prompt)
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(child_id, ids, child_params, self.eos_token_ids,
+                          prompt=prompt if isinstance(prompt, str) else None, max_model_len=self.max_model_len)
+            if child_params.prompt_logprobs is not None:
+                req.read_prefix_cache = False   # prompt logprobs need every prompt position computed
+            req.extras.update(extras or {})
+            prepare_traced_request(req, params.n, self.runner)   # tracing: bind the plan, prefix-cache policy
+            children.append(req)
+        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, children)
+        for req in children:
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        children = self.outputs.children_of(request_id)
+        if not children:
+            return
+        self.scheduler.finish_requests([c.request_id for c in children], RequestStatus.FINISHED_ABORTED)
+        self._pending_outputs.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        touched: set[str] = set(self._pending_outputs)
+        self._pending_outputs.clear()
+        if so.is_empty and (so.finished_request_ids or so.preempted_request_ids):
+            # No batch carries the news to the runner this step; free per-request state (hybrid models) now.
+            self.runner.release_request_states(so.finished_request_ids | so.preempted_request_ids)
+        if not so.is_empty:
+            self.num_steps += 1
+            try:
+                ro = self.runner.execute(so)
+            except Exception as exc:  # one bad batch must not take the engine down
+                logger.error("model step failed; failing its %d requests:\n%s", so.num_reqs, traceback.format_exc())
+                ro = ModelRunnerOutput(errors={r.request_id: f"{type(exc).__name__}: {exc}" for r in so.requests})
+            now = time.monotonic()
+            for req in so.requests:
+                if req.request_id in ro.sampled_token_ids:
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    req.last_token_time = now
+            self.prompt_tokens_total += sum(n for n, r, c in zip(so.num_scheduled_tokens, so.requests,
+                                                                 so.num_computed_tokens)
+                                            if c < r.num_prompt_tokens)
+            self.generation_tokens_total += len(ro.sampled_token_ids)
+            changed = self.scheduler.update_from_output(so, ro)
+            stopped = self.outputs.process_tokens(changed, ro)
+            if stopped:
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            finish_traced_requests(changed)   # tracing: stack the saves of finished traced requests
+            touched |= self.outputs.parents_of([r.request_id for r in changed])
+        # Requests the scheduler ended on its own (e.g. they can never fit in the KV pool).
+        touched |= self.outputs.parents_of(self.scheduler.drain_finished_unreported())
+        return self.outputs.make_outputs(touched)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_used_blocks=self.block_pool.num_used_blocks, num_total_blocks=self.num_blocks,
+            kv_cache_usage=self.block_pool.usage,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=self.kv_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_manager.prefix_cache_hits,
+            num_steps=self.num_steps)
+
+
+def _config_dtype(model_dir: str) -> torch.dtype | None:
+    import json
+    import os
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        name = cfg.get("dtype") or cfg.get("torch_dtype")
+    except (OSError, ValueError):
+        return None
+    return getattr(torch, name, None) if isinstance(name, str) else None

@@ -1,0 +1,95 @@
+"""A request's state inside the engine: tokens so far, progress, KV blocks, and how it ended."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import torch
+
+from pellucid.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    """One sequence. `all_token_ids` is prompt + generated; the first `num_computed_tokens` have KV in cache.
+
+    The scheduler advances `num_computed_tokens` when it schedules a chunk (the runner reads the value
+    snapshotted in SchedulerOutput), and the engine appends sampled tokens after the step.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: set[int] | None = None, prompt: str | None = None,
+                 arrival_time: float | None = None, max_model_len: int | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1          # prefix-cache hits at first scheduling; -1 until then
+        self.block_ids: list[int] = []
+        self.block_hashes: list[Any] = []    # filled and owned by the KV cache manager
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        # Prefix-cache policy. Tracing/extraction requests turn reading off (they must compute every
+        # position they observe) and edited requests turn publishing off (their KV is not the model's).
+        self.read_prefix_cache = True
+        self.publish_prefix_cache = True
+        # Longest sequence this request may reach (prompt + output), set by the engine from max_model_len.
+        max_tokens = sampling_params.max_tokens
+        limit = max_model_len if max_model_len is not None else len(prompt_token_ids) + (max_tokens or 0)
+        self.max_total_tokens = min(limit, len(prompt_token_ids) + max_tokens) if max_tokens else limit
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+        self.extras: dict[str, Any] = {}     # per-feature state (trace plan, extraction spec, ...)
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

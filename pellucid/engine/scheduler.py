@@ -1,0 +1,270 @@
+"""Continuous batching: which requests run each step, how many tokens each, with which KV blocks.
+
+Policy (FCFS):
+- Running requests go first, in arrival order (decodes and continuing chunked prefills), then waiting
+  ones, within a token budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`).
+- With chunked prefill a prompt takes what is left of the budget and continues next step. Without it
+  a prompt waits until it fits whole; a request whose recompute after preemption is longer than the
+  whole budget is still chunked, since it could never run otherwise.
+- When the pool runs out of blocks the latest-arrived running request is preempted by recompute: its
+  blocks are freed, its progress reset, and it returns to the front of the waiting queue. Its prompt
+  and generated tokens are kept, so the recompute continues the same sequence.
+- A request that cannot fit in the pool even alone ends with an error instead of waiting forever.
+
+The scheduler advances request.num_computed_tokens when it schedules a chunk; the runner reads the
+snapshot in SchedulerOutput.num_computed_tokens.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from typing import Iterable
+
+from pellucid.config import CacheConfig, SchedulerConfig
+from pellucid.engine.kv_cache_manager import KVCacheManager
+from pellucid.engine.request import Request, RequestStatus
+from pellucid.engine.scheduler_output import SchedulerOutput
+from pellucid.logger import get_logger
+from pellucid.runner.output import ModelRunnerOutput
+
+logger = get_logger(__name__)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        if kv_cache_manager.block_size != cache_config.block_size:
+            raise ValueError(f"KV cache manager block size {kv_cache_manager.block_size} != "
+                             f"cache_config.block_size {cache_config.block_size}")
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill
+        budget = scheduler_config.max_num_batched_tokens
+        if budget is None:
+            # Same default as the engine: without chunking a whole max-length prompt must fit one step.
+            budget = min(max(2048, max_model_len), 8192) if self.chunked_prefill else max_model_len
+        if budget < 1 or scheduler_config.max_num_seqs < 1:
+            raise ValueError(f"max_num_batched_tokens ({budget}) and max_num_seqs "
+                             f"({scheduler_config.max_num_seqs}) must be >= 1")
+        self.max_num_batched_tokens = budget
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_model_len = max_model_len
+        self.kv = kv_cache_manager
+        self.block_size = cache_config.block_size
+
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []          # sorted by arrival priority (see _priority)
+        self.requests: dict[str, Request] = {}    # unfinished requests by id
+        self._order: dict[str, tuple[float, int]] = {}
+        self._arrivals = itertools.count()
+        self._finished_ids: set[str] = set()        # freed since the last schedule(), for the runner
+        self._finished_unreported: list[str] = []   # ended by the scheduler itself, for the engine
+
+        # Counters for tests and metrics.
+        self.num_steps = 0
+        self.total_scheduled_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+        self.num_preemptions = 0
+
+    # ---- queues ---------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _priority(self, request: Request) -> tuple[float, int]:
+        return self._order[request.request_id]
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError (request not queued) when its prompt breaks the model or budget
+        limits. A prompt too large for the KV pool is queued and ends with an error at its first
+        scheduling attempt, reported through drain_finished_unreported()."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already scheduled")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if n >= self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt has {n} tokens, which leaves no room for output "
+                             f"within max_model_len={self.max_model_len}")
+        if not self.chunked_prefill and n > self.max_num_batched_tokens:
+            raise ValueError(f"request {rid!r}: prompt has {n} tokens, more than max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens} with chunked prefill disabled")
+        self._order[rid] = (request.arrival_time, next(self._arrivals))
+        self.requests[rid] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    # ---- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        def add(request: Request, num_tokens: int) -> None:
+            nonlocal budget
+            out.requests.append(request)
+            out.num_scheduled_tokens.append(num_tokens)
+            out.num_computed_tokens.append(request.num_computed_tokens)
+            out.samples.append(request.num_computed_tokens + num_tokens == request.num_tokens)
+            request.num_computed_tokens += num_tokens
+            budget -= num_tokens
+
+        # Running requests, highest priority first. Victims of preemption come off the tail, which
+        # is never scheduled yet in this step because the list is in priority order.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            if not self.kv.can_ever_fit(request.num_computed_tokens + num_new):
+                self._finish_unscheduled(request, self._too_big_message(request))
+                continue   # the list shrank at `index`
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_request_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                add(request, num_new)
+                index += 1
+
+        # Waiting requests, FCFS; none after a preemption, which would re-admit what was just evicted.
+        while self.waiting and budget > 0 and not out.preempted_request_ids \
+                and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if not self.kv.can_ever_fit(request.num_tokens):
+                self.waiting.popleft()
+                self._finish_unscheduled(request, self._too_big_message(request))
+                continue
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = self._num_tokens_to_schedule(request, num_cached, budget)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached_blocks):
+                break   # FCFS: later requests wait behind it
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.prefix_cache_hit_tokens += num_cached
+            bisect.insort(self.running, request, key=self._priority)
+            add(request, num_new)
+
+        out.finished_request_ids = self._finished_ids
+        self._finished_ids = set()
+        self.num_steps += 1
+        self.total_scheduled_tokens += out.total_num_scheduled_tokens
+        return out
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens of `request` to compute this step given `budget`; 0 when it must wait."""
+        remaining = request.num_tokens - num_computed
+        if remaining <= budget:
+            return remaining
+        chunkable = self.chunked_prefill or remaining > self.max_num_batched_tokens
+        return budget if chunkable else 0
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        log = logger.warning if self.num_preemptions == 1 else logger.debug
+        log("KV cache full: preempted request %s (recomputed later; %d preemptions so far). "
+            "More KV blocks or a lower max_num_seqs avoid this.", request.request_id, self.num_preemptions)
+
+    def _too_big_message(self, request: Request) -> str:
+        needed = self.kv.blocks_needed(request.num_tokens)
+        return (f"request needs {needed} KV blocks for {request.num_tokens} tokens but the KV cache has only "
+                f"{self.kv.block_pool.num_usable_blocks}; give the KV cache more memory or lower max_tokens")
+
+    # ---- results --------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results: append sampled tokens, run token-level stop checks, end failed
+        requests. Returns the requests that got a token or finished. Stop strings are the output
+        processor's job (it calls finish_requests)."""
+        changed: list[Request] = []
+        for request, samples in zip(scheduler_output.requests, scheduler_output.samples):
+            if request.is_finished:
+                continue   # aborted between schedule() and now
+            rid = request.request_id
+            if rid in runner_output.errors:
+                self._finish(request, RequestStatus.FINISHED_ERROR, error=runner_output.errors[rid])
+                changed.append(request)
+                continue
+            if not samples:
+                continue
+            token = runner_output.sampled_token_ids.get(rid)
+            if token is None:
+                self._finish(request, RequestStatus.FINISHED_ERROR,
+                             error="the model runner returned no token for a request that was due to sample")
+                changed.append(request)
+                continue
+            request.append_output_token(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+            changed.append(request)
+        return changed
+
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> RequestStatus | None:
+        """Token-level stop conditions, in vLLM's order: length, then (past min_tokens) EOS / stop ids."""
+        params = request.sampling_params
+        if request.num_tokens >= request.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        if token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string, error); unknown or finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._finish(request, status)
+
+    def drain_finished_unreported(self) -> list[str]:
+        """Ids of requests the scheduler ended by itself (they never fit the KV cache) since the last
+        call; the engine reports them, since no runner output mentions them."""
+        ids, self._finished_unreported = self._finished_unreported, []
+        return ids
+
+    def _finish_unscheduled(self, request: Request, error: str) -> None:
+        logger.error("request %s cannot run: %s", request.request_id, error)
+        self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
+        self._finished_unreported.append(request.request_id)
+
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        rid = request.request_id
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        if error is not None:
+            request.error = error
+        # A failed request's KV may be wrong: do not leave it in the prefix cache.
+        self.kv.free(request, keep_cached=status != RequestStatus.FINISHED_ERROR)
+        self.requests.pop(rid, None)
+        self._order.pop(rid, None)
+        self._finished_ids.add(rid)

@@ -1,0 +1,40 @@
+"""The LM head interface: every head turns final hidden states into sampled tokens (and logits when exact)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from pellucid.runner.sampling_metadata import SamplerOutput, SamplingMetadata
+
+
+class LMHead(ABC):
+    """Chosen by `HeadConfig.name`, built by the runner from the model's `lm_head` weight.
+
+    `compute_logits` must be exact (full vocabulary); `sample` may be approximate (FlashHead) but then
+    must route rows that need exact logits (logprobs, penalties, tracing) through `compute_logits`.
+    """
+
+    name: str = ""
+
+    def __init__(self, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None) -> None:
+        self.weight = weight          # [vocab, hidden], the model's lm_head weight (tied or not)
+        self.options = dict(options)
+        self.model_dir = model_dir
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Exact full-vocabulary logits, float32, for hidden [R, hidden]."""
+        return torch.nn.functional.linear(hidden, self.weight).float()
+
+    @abstractmethod
+    def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
+        """Sample one token per row of hidden [R, hidden]."""
+
+    def describe(self) -> dict[str, Any]:
+        """Name and parameters, for the startup log line, /metrics and /v1/models."""
+        return {"name": self.name}

@@ -1,0 +1,47 @@
+"""LM heads by name: the built-ins plus third-party heads from the `pellucid.heads` entry-point group."""
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+
+from pellucid.heads.base import LMHead
+from pellucid.heads.dense import DenseHead
+from pellucid.logger import get_logger
+
+logger = get_logger(__name__)
+
+_HEADS: dict[str, type[LMHead]] = {"dense": DenseHead}
+ENTRY_POINT_GROUP = "pellucid.heads"
+
+
+def register_head(name: str, cls: type[LMHead]) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, LMHead)):
+        raise TypeError(f"head {name!r} must be a subclass of pellucid.heads.base.LMHead, got {cls!r}")
+    cls.name = name
+    _HEADS[name] = cls
+
+
+def _load_builtin_and_plugins() -> None:
+    try:
+        from pellucid.heads.flashhead import FlashHead  # noqa: F401  (registers itself when present)
+    except ImportError:
+        pass
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _HEADS:
+            register_head(ep.name, ep.load())
+
+
+def available_heads() -> list[str]:
+    _load_builtin_and_plugins()
+    return sorted(_HEADS)
+
+
+def build_head(name: str, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None) -> LMHead:
+    _load_builtin_and_plugins()
+    if name not in _HEADS:
+        raise ValueError(f"unknown LM head {name!r}; available: {', '.join(available_heads())}")
+    head = _HEADS[name](weight, options, model_dir)
+    logger.info("LM head active: %s", head.describe())
+    return head

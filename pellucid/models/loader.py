@@ -1,0 +1,184 @@
+"""Build a registered model from a HuggingFace directory and fill it from its safetensors files.
+
+Loading is all-or-nothing: every parameter must come from the checkpoint with the expected shape,
+and any problem (missing or corrupt file, missing or unexpected tensor, wrong shape, unknown
+architecture) raises an error that names the file and tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from pellucid.logger import get_logger
+from pellucid.models.registry import get_model_class
+
+logger = get_logger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint entries that are derived state, not weights (older exports saved rotary tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def read_hf_config(model_dir: str) -> Any:
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
+               max_model_len: int | None = None) -> tuple[nn.Module, Any]:
+    """Return (model in eval mode on `device` with every parameter loaded, hf_config)."""
+    hf_config = read_hf_config(model_dir)
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"{os.path.join(model_dir, 'config.json')} names no architecture (`architectures` is empty)")
+    model_class = get_model_class(architectures[0])
+    # Build without allocating or initialising weights; every parameter is then filled from the checkpoint.
+    model = model_class(hf_config, dtype=dtype, device="meta", max_model_len=max_model_len)
+    model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own tensor, which unties shared weights
+    for module in model.modules():
+        if hasattr(module, "rebuild_buffers"):
+            module.rebuild_buffers()
+    _load_weights(model, model_dir)
+    model.eval()
+    logger.info("loaded %s from %s (%s, %s)", architectures[0], model_dir, dtype, device)
+    return model, hf_config
+
+
+def _load_weights(model: nn.Module, model_dir: str) -> None:
+    params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    tied_lm_head = "lm_head.weight" not in params
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for path, name, tensor in _iter_checkpoint(model_dir):
+            if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
+                continue
+            param = params.get(name)
+            if param is None:
+                unexpected.append(f"{name} (in {os.path.basename(path)})")
+                continue
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(name)
+    if unexpected:
+        raise ValueError(f"checkpoint in {model_dir} has tensors the model does not use (config mismatch?): "
+                         f"{_first(unexpected)}")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(missing)}")
+
+
+def _first(names: list[str], limit: int = 10) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def checkpoint_files(model_dir: str) -> dict[str, list[str]]:
+    """file path -> tensor names in it, from the index (sharded) or the single file."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"cannot read the shard index {index_path}: {exc}") from exc
+        files: dict[str, list[str]] = defaultdict(list)
+        for name, shard in weight_map.items():
+            files[os.path.join(model_dir, shard)].append(name)
+        for path in files:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"shard {path} listed in {index_path} does not exist")
+        return dict(files)
+    single = os.path.join(model_dir, SINGLE_FILE)
+    if os.path.isfile(single):
+        with _open_safetensors(single) as f:
+            return {single: list(f.keys())}
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in model directory {model_dir!r}")
+
+
+def _iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for path, names in checkpoint_files(model_dir).items():
+        with _open_safetensors(path) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ValueError(f"tensor {name!r} is listed for {path} in the index but the file lacks it")
+            for name in sorted(present):
+                yield path, name, _get_tensor(f, path, name)
+
+
+def read_tensors(model_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read the named tensors (CPU, stored dtype) from a single-file or sharded checkpoint."""
+    location = {name: path for path, file_names in checkpoint_files(model_dir).items() for name in file_names}
+    missing = [name for name in names if name not in location]
+    if missing:
+        raise KeyError(f"checkpoint in {model_dir} has no tensor(s) {', '.join(missing)}")
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        by_file[location[name]].append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for path, file_names in by_file.items():
+        with _open_safetensors(path) as f:
+            for name in file_names:
+                tensors[name] = _get_tensor(f, path, name)
+    return tensors
+
+
+class _open_safetensors:
+    """safe_open that re-raises corrupt/truncated-file errors naming the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self) -> Any:
+        try:
+            self._handle = safe_open(self.path, framework="pt", device="cpu")
+            return self._handle.__enter__()
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"cannot read safetensors file {self.path} (truncated or corrupt?): {exc}") from exc
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._handle.__exit__(*exc_info)
+
+
+def _get_tensor(handle: Any, path: str, name: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): {exc}") from exc
+
+
+def read_generation_config(model_dir: str) -> dict[str, Any]:
+    """generation_config.json as a dict ({} when the model has none)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as exc:
+        raise ValueError(f"cannot parse {path}: {exc}") from exc
+
+
+def read_eos_token_ids(model_dir: str, hf_config: Any | None = None) -> set[int]:
+    """End-of-sequence ids: generation_config.json's eos_token_id, else config.json's (int or list)."""
+    eos = read_generation_config(model_dir).get("eos_token_id")
+    if eos is None:
+        config = hf_config if hf_config is not None else read_hf_config(model_dir)
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(i) for i in eos}

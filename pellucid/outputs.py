@@ -1,0 +1,43 @@
+"""Request outputs, shaped like vLLM's (RequestOutput.outputs[i].text / token_ids / logprobs / finish_reason)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int                     # 1-based rank of this token under the distribution
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, holding the chosen token and the top-k alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None      # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None                  # set when the request ended with an error
+    metrics: dict[str, float] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # saved activations, hidden states, ...

@@ -1,0 +1,141 @@
+"""Turn a SchedulerOutput into device inputs: token ids, positions, the request map and attention metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pellucid.attention.metadata import CommonAttentionMetadata
+from pellucid.engine.request import Request
+from pellucid.engine.scheduler_output import SchedulerOutput
+from pellucid.runner.buffers import StepBuffers
+
+
+@dataclass
+class PromptLogprobRows:
+    """Rows of this step whose logits score the next prompt token (for prompt_logprobs)."""
+
+    request: Request
+    rows: np.ndarray            # token rows in the flat batch
+    target_token_ids: list[int]  # the prompt token each row predicts
+    first_position: int          # prompt position of target_token_ids[0]
+
+
+@dataclass
+class StepBatch:
+    num_tokens: int
+    num_padded_tokens: int
+    input_ids: torch.Tensor            # [num_padded_tokens] device
+    positions: torch.Tensor            # [num_padded_tokens] device
+    token_to_req: torch.Tensor         # [num_padded_tokens] device
+    token_to_req_cpu: np.ndarray       # [num_tokens] host copy
+    positions_cpu: np.ndarray          # [num_tokens] host copy
+    attn: CommonAttentionMetadata
+    sample_requests: list[Request]     # requests that sample this step, in row order
+    sample_rows: torch.Tensor          # [len(sample_requests)] device row index of each one's last token
+    prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+
+
+def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
+                     num_padded_tokens: int | None = None) -> StepBatch:
+    """Fill the persistent host buffers for this step and copy them to the device once."""
+    num_reqs = so.num_reqs
+    num_tokens = so.total_num_scheduled_tokens
+    padded = num_tokens if num_padded_tokens is None else num_padded_tokens
+    if padded > bufs.max_num_tokens or num_reqs > bufs.max_num_reqs:
+        raise RuntimeError(f"step of {padded} tokens / {num_reqs} requests exceeds the runner's buffers "
+                           f"({bufs.max_num_tokens} / {bufs.max_num_reqs})")
+
+    scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+    computed = np.asarray(so.num_computed_tokens, dtype=np.int64)
+    qsl = bufs.query_start_loc.np
+    qsl[0] = 0
+    np.cumsum(scheduled, out=qsl[1:num_reqs + 1])
+    bufs.seq_lens.np[:num_reqs] = computed + scheduled
+    bufs.num_computed_tokens.np[:num_reqs] = computed
+
+    token_to_req = bufs.token_to_req.np
+    token_to_req[:num_tokens] = np.repeat(np.arange(num_reqs, dtype=np.int32), scheduled)
+    starts = qsl[:num_reqs].astype(np.int64)
+    positions = bufs.positions.np
+    positions[:num_tokens] = np.arange(num_tokens) - np.repeat(starts, scheduled) + np.repeat(computed, scheduled)
+
+    input_ids = bufs.input_ids.np
+    block_table = bufs.block_table.np
+    max_blocks = 1
+    for i, req in enumerate(so.requests):
+        start, n = int(computed[i]), int(scheduled[i])
+        offset = int(qsl[i])
+        if n == 1:
+            input_ids[offset] = req.all_token_ids[start]
+        else:
+            input_ids[offset:offset + n] = req.all_token_ids[start:start + n]
+        nblocks = len(req.block_ids)
+        block_table[i, :nblocks] = req.block_ids
+        max_blocks = max(max_blocks, nblocks)
+    block_idx = positions[:num_tokens] // block_size
+    slot = bufs.slot_mapping.np
+    slot[:num_tokens] = block_table[token_to_req[:num_tokens], block_idx].astype(np.int64) * block_size \
+        + positions[:num_tokens] % block_size
+    if padded > num_tokens:
+        slot[num_tokens:padded] = -1
+        input_ids[num_tokens:padded] = 0
+        positions[num_tokens:padded] = 0
+        token_to_req[num_tokens:padded] = max(num_reqs - 1, 0)
+
+    sample_requests = [req for req, s in zip(so.requests, so.samples) if s]
+    sample_rows_np = bufs.logits_indices.np
+    n_sample = 0
+    for i, s in enumerate(so.samples):
+        if s:
+            sample_rows_np[n_sample] = qsl[i + 1] - 1
+            n_sample += 1
+
+    attn = CommonAttentionMetadata(
+        num_reqs=num_reqs, num_tokens=num_tokens,
+        max_query_len=int(scheduled.max()) if num_reqs else 0,
+        max_seq_len=int(bufs.seq_lens.np[:num_reqs].max()) if num_reqs else 0,
+        block_size=block_size,
+        query_start_loc=bufs.query_start_loc.to_device(num_reqs + 1),
+        seq_lens=bufs.seq_lens.to_device(num_reqs),
+        num_computed_tokens=bufs.num_computed_tokens.to_device(num_reqs),
+        block_table=_block_table_to_device(bufs, num_reqs, max_blocks),
+        slot_mapping=bufs.slot_mapping.to_device(padded),
+        query_start_loc_cpu=bufs.query_start_loc.cpu[:num_reqs + 1],
+        seq_lens_cpu=bufs.seq_lens.cpu[:num_reqs],
+        num_computed_tokens_cpu=bufs.num_computed_tokens.cpu[:num_reqs],
+        block_table_cpu=bufs.block_table.cpu[:num_reqs, :max_blocks],
+    )
+    return StepBatch(
+        num_tokens=num_tokens, num_padded_tokens=padded,
+        input_ids=bufs.input_ids.to_device(padded), positions=bufs.positions.to_device(padded),
+        token_to_req=bufs.token_to_req.to_device(padded),
+        token_to_req_cpu=token_to_req[:num_tokens], positions_cpu=positions[:num_tokens],
+        attn=attn, sample_requests=sample_requests,
+        sample_rows=bufs.logits_indices.to_device(n_sample),
+        prompt_logprob_rows=_prompt_logprob_rows(so, qsl),
+    )
+
+
+def _block_table_to_device(bufs: StepBuffers, num_reqs: int, max_blocks: int) -> torch.Tensor:
+    """Copy only the used rows; the column count stays the full width so device shapes are stable."""
+    table = bufs.block_table
+    if table.device is table.cpu:
+        return table.cpu[:num_reqs, :max_blocks]
+    table.device[:num_reqs].copy_(table.cpu[:num_reqs], non_blocking=True)
+    return table.device[:num_reqs]
+
+
+def _prompt_logprob_rows(so: SchedulerOutput, qsl: np.ndarray) -> list[PromptLogprobRows]:
+    out = []
+    for i, req in enumerate(so.requests):
+        if req.sampling_params.prompt_logprobs is None:
+            continue
+        start = so.num_computed_tokens[i]
+        end = min(start + so.num_scheduled_tokens[i], req.num_prompt_tokens - 1)
+        if end <= start:
+            continue
+        rows = np.arange(int(qsl[i]), int(qsl[i]) + (end - start))
+        out.append(PromptLogprobRows(req, rows, req.prompt_token_ids[start + 1:end + 1], start + 1))
+    return out

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random models of each architecture, built once per test session, offline."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """`factory(arch, **overrides) -> model dir`, cached per distinct arguments."""
+    from pellucid.tiny_models import build_tiny_model
+
+    cache: dict[tuple, str] = {}
+
+    def factory(arch: str, seed: int = 0, **overrides) -> str:
+        key = (arch, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-model")
+            cache[key] = build_tiny_model(arch, str(out), seed=seed, **overrides)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3")
