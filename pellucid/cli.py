@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subcommand_registrars():
     """Each feature package contributes its own subcommands."""
-    return []
+    from pellucid.heads.flashhead.cli import add_flashhead_parser
+    from pellucid.server.serve import add_serve_parser
+    return [add_serve_parser, add_flashhead_parser]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,6 +92,20 @@ class LLM:
         from pellucid.tracing.api import sites
         return sites(self.engine.runner)
 
+    # ---- hidden-state extraction (pellucid/extraction) -------------------------------------------
+    def extract_hidden_states(self, data: Any, layers: Sequence[int], output_dir: str,
+                              generate: SamplingParams | None = None, shard_size: int = 1, progress: bool = True,
+                              skip_invalid: bool = False) -> Any:
+        """Write the hidden states after decoder `layers` (-1: final normed output) of every token of `data`
+        (prompts, token id lists, conversations or {"id", ...} records) to safetensors files plus a
+        manifest in `output_dir`; resumes a job found there. With `generate`, the model first writes
+        the response and the states cover prompt + response. Returns an ExtractionSummary.
+        See docs/extraction.md."""
+        from pellucid.extraction.job import extract_hidden_states
+        return extract_hidden_states(self, data, layers, output_dir, generate=generate, shard_size=shard_size,
+                                     progress=progress, skip_invalid=skip_invalid)
+    # ---- hidden-state extraction (end) -----------------------------------------------------------
+
     def _params_list(self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if sp is None:
             return [SamplingParams() for _ in range(n)]

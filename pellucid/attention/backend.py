@@ -16,6 +16,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    # True when forward/write_kv read only device tensors and host sizes fixed by build_metadata, so a
+    # decode step can be captured in a CUDA graph (pellucid/runner/cuda_graphs.py) and replayed.
+    supports_cuda_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -51,8 +54,13 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
     return wrap
 
 
+_UNAVAILABLE: dict[str, str] = {}   # backend name -> why it could not be imported here
+
+
 def get_backend_class(name: str) -> type[AttentionBackend]:
     _import_builtin_backends()
+    if name in _UNAVAILABLE:
+        raise ValueError(f"attention backend {name!r} is not available here: {_UNAVAILABLE[name]}")
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}")
     return _BACKENDS[name]
@@ -65,7 +73,9 @@ def available_backends() -> list[str]:
 
 def _import_builtin_backends() -> None:
     import pellucid.attention.torch_ref  # noqa: F401
+    if "triton" in _BACKENDS or "triton" in _UNAVAILABLE:
+        return
     try:
         import pellucid.attention.triton_backend  # noqa: F401
-    except ImportError:
-        pass  # triton or the module not available; "triton" is then an unknown backend with a clear error
+    except ImportError as exc:  # triton is an optional dependency (the `gpu` extra)
+        _UNAVAILABLE["triton"] = f"{type(exc).__name__}: {exc} (install the `gpu` extra: pip install triton)"

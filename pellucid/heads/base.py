@@ -38,3 +38,8 @@ class LMHead(ABC):
     def describe(self) -> dict[str, Any]:
         """Name and parameters, for the startup log line, /metrics and /v1/models."""
         return {"name": self.name}
+
+    def usage(self) -> dict[str, int]:
+        """Counters of rows served by each of the head's paths (e.g. FlashHead's fast vs dense fallback),
+        exported by the server's /metrics; empty for heads with one path."""
+        return {}

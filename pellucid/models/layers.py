@@ -1,7 +1,8 @@
 """Layers shared by the decoder models: RMSNorm, rotary embedding, the gated SiLU MLP.
 
-Plain torch with HuggingFace-equivalent numerics. Fused GPU kernels can replace the bodies of
-`rms_norm`, `apply_rotary` and `GatedMLP.forward` later without changing these signatures.
+Plain torch with HuggingFace-equivalent numerics. On CUDA (pellucid.kernels.fused_kernels_enabled)
+`rms_norm`, `RotaryEmbedding.forward` and `GatedMLP.forward` run fused Triton kernels that round at
+the same points; the CPU always runs the torch code.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pellucid.kernels import fused_kernels_enabled
 
 # Rope types whose frequencies do not depend on the sequence being processed. "dynamic" (NTK) and
 # "longrope" switch frequencies with the batch's length, which has no per-request meaning in a
@@ -18,6 +21,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+    if fused_kernels_enabled(x, "rms_norm"):
+        from pellucid.kernels.rms_norm import rms_norm as fused_rms_norm
+        return fused_rms_norm(x, weight, eps)
     input_dtype = x.dtype
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -58,7 +64,17 @@ class GatedMLP(nn.Module):
         self.act_fn = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The fused kernel skips the `act_fn` call, so it runs only while nothing observes that site.
+        if fused_kernels_enabled(x, "silu_and_mul") and not _has_hooks(self.act_fn):
+            from pellucid.kernels.silu_and_mul import silu_and_mul as fused_silu_and_mul
+            return self.down_proj(fused_silu_and_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    from torch.nn.modules import module as module_impl
+    return bool(module._forward_hooks or module._forward_pre_hooks or module_impl._global_forward_hooks
+                or module_impl._global_forward_pre_hooks)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +136,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate query [T, heads, head_dim] and key [T, kv_heads, head_dim] at positions [T]."""
+        """Rotate query [T, heads, head_dim] and key [T, kv_heads, head_dim] at positions [T].
+
+        On CUDA the fused kernel rotates query and key in place (they are fresh projections that only
+        this call consumes) and returns them.
+        """
+        if fused_kernels_enabled(query, "rotary") and query.stride(-1) == 1 and key.stride(-1) == 1:
+            from pellucid.kernels.rotary import rotary_inplace
+            rotary_inplace(positions, query, key, self.cos_sin_cache)
+            return query, key
         cos = self.cos_sin_cache[0].index_select(0, positions)
         sin = self.cos_sin_cache[1].index_select(0, positions)
         return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)

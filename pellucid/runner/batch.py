@@ -38,14 +38,22 @@ class StepBatch:
 
 
 def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
-                     num_padded_tokens: int | None = None) -> StepBatch:
-    """Fill the persistent host buffers for this step and copy them to the device once."""
+                     num_padded_tokens: int | None = None, num_padded_reqs: int | None = None) -> StepBatch:
+    """Fill the persistent host buffers for this step and copy them to the device once.
+
+    `num_padded_reqs` (CUDA-graph replay of a decode step) adds dummy requests of one query token
+    each with seq_len 0 after the real ones, so the captured shapes hold; attention writes zeros for
+    them and their slot is -1. It needs num_padded_tokens == num_padded_reqs.
+    """
     num_reqs = so.num_reqs
     num_tokens = so.total_num_scheduled_tokens
     padded = num_tokens if num_padded_tokens is None else num_padded_tokens
-    if padded > bufs.max_num_tokens or num_reqs > bufs.max_num_reqs:
-        raise RuntimeError(f"step of {padded} tokens / {num_reqs} requests exceeds the runner's buffers "
+    padded_reqs = num_reqs if num_padded_reqs is None else num_padded_reqs
+    if padded > bufs.max_num_tokens or padded_reqs > bufs.max_num_reqs:
+        raise RuntimeError(f"step of {padded} tokens / {padded_reqs} requests exceeds the runner's buffers "
                            f"({bufs.max_num_tokens} / {bufs.max_num_reqs})")
+    if padded_reqs > num_reqs and (padded - num_tokens) != (padded_reqs - num_reqs):
+        raise ValueError("padding requests need exactly one padding token each")
 
     scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
     computed = np.asarray(so.num_computed_tokens, dtype=np.int64)
@@ -63,17 +71,31 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
 
     input_ids = bufs.input_ids.np
     block_table = bufs.block_table.np
+    # ---- persistent block-table rows (begin) ----
+    # A request scheduled at the same row as in the previous step only appends blocks (the KV manager
+    # extends, never rewrites, while it stays scheduled), so only its new block ids are written.
+    row_owner, row_num_blocks = bufs.row_owner, bufs.row_num_blocks
     max_blocks = 1
-    for i, req in enumerate(so.requests):
-        start, n = int(computed[i]), int(scheduled[i])
-        offset = int(qsl[i])
+    for i, (req, start, n, offset) in enumerate(zip(so.requests, so.num_computed_tokens, so.num_scheduled_tokens,
+                                                   qsl[:num_reqs].tolist())):
         if n == 1:
             input_ids[offset] = req.all_token_ids[start]
         else:
             input_ids[offset:offset + n] = req.all_token_ids[start:start + n]
-        nblocks = len(req.block_ids)
-        block_table[i, :nblocks] = req.block_ids
-        max_blocks = max(max_blocks, nblocks)
+        block_ids = req.block_ids
+        nblocks = len(block_ids)
+        written = row_num_blocks[i] if row_owner[i] is req else 0
+        if nblocks > written:
+            block_table[i, written:nblocks] = block_ids[written:] if written else block_ids
+        row_owner[i] = req
+        row_num_blocks[i] = nblocks
+        if nblocks > max_blocks:
+            max_blocks = nblocks
+    for i in range(num_reqs, len(row_owner)):
+        if row_owner[i] is None:
+            break
+        row_owner[i] = None
+    # ---- persistent block-table rows (end) ----
     block_idx = positions[:num_tokens] // block_size
     slot = bufs.slot_mapping.np
     slot[:num_tokens] = block_table[token_to_req[:num_tokens], block_idx].astype(np.int64) * block_size \
@@ -82,30 +104,39 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
         slot[num_tokens:padded] = -1
         input_ids[num_tokens:padded] = 0
         positions[num_tokens:padded] = 0
-        token_to_req[num_tokens:padded] = max(num_reqs - 1, 0)
+        if padded_reqs > num_reqs:
+            token_to_req[num_tokens:padded] = np.arange(num_reqs, padded_reqs, dtype=np.int32)
+        else:
+            token_to_req[num_tokens:padded] = max(num_reqs - 1, 0)
+    if padded_reqs > num_reqs:
+        qsl[num_reqs + 1:padded_reqs + 1] = np.arange(num_tokens + 1, padded + 1, dtype=np.int32)
+        bufs.seq_lens.np[num_reqs:padded_reqs] = 0
+        bufs.num_computed_tokens.np[num_reqs:padded_reqs] = 0
 
     sample_requests = [req for req, s in zip(so.requests, so.samples) if s]
     sample_rows_np = bufs.logits_indices.np
-    n_sample = 0
-    for i, s in enumerate(so.samples):
-        if s:
-            sample_rows_np[n_sample] = qsl[i + 1] - 1
-            n_sample += 1
+    if len(sample_requests) == num_reqs:
+        n_sample = num_reqs
+        np.subtract(qsl[1:num_reqs + 1], 1, out=sample_rows_np[:num_reqs])
+    else:
+        sampling_idx = np.flatnonzero(np.asarray(so.samples, dtype=bool))
+        n_sample = len(sampling_idx)
+        sample_rows_np[:n_sample] = qsl[sampling_idx + 1] - 1
 
     attn = CommonAttentionMetadata(
-        num_reqs=num_reqs, num_tokens=num_tokens,
+        num_reqs=padded_reqs, num_tokens=num_tokens,
         max_query_len=int(scheduled.max()) if num_reqs else 0,
         max_seq_len=int(bufs.seq_lens.np[:num_reqs].max()) if num_reqs else 0,
         block_size=block_size,
-        query_start_loc=bufs.query_start_loc.to_device(num_reqs + 1),
-        seq_lens=bufs.seq_lens.to_device(num_reqs),
-        num_computed_tokens=bufs.num_computed_tokens.to_device(num_reqs),
-        block_table=_block_table_to_device(bufs, num_reqs, max_blocks),
+        query_start_loc=bufs.query_start_loc.to_device(padded_reqs + 1),
+        seq_lens=bufs.seq_lens.to_device(padded_reqs),
+        num_computed_tokens=bufs.num_computed_tokens.to_device(padded_reqs),
+        block_table=_block_table_to_device(bufs, padded_reqs, max_blocks),
         slot_mapping=bufs.slot_mapping.to_device(padded),
-        query_start_loc_cpu=bufs.query_start_loc.cpu[:num_reqs + 1],
-        seq_lens_cpu=bufs.seq_lens.cpu[:num_reqs],
-        num_computed_tokens_cpu=bufs.num_computed_tokens.cpu[:num_reqs],
-        block_table_cpu=bufs.block_table.cpu[:num_reqs, :max_blocks],
+        query_start_loc_cpu=bufs.query_start_loc.cpu[:padded_reqs + 1],
+        seq_lens_cpu=bufs.seq_lens.cpu[:padded_reqs],
+        num_computed_tokens_cpu=bufs.num_computed_tokens.cpu[:padded_reqs],
+        block_table_cpu=bufs.block_table.cpu[:padded_reqs, :max_blocks],
     )
     return StepBatch(
         num_tokens=num_tokens, num_padded_tokens=padded,

@@ -44,3 +44,12 @@ class StepBuffers:
         self.num_computed_tokens = buf((max_num_reqs,), torch.int32)
         self.block_table = buf((max_num_reqs, max_blocks_per_req), torch.int32)
         self.logits_indices = buf((max_num_tokens,), torch.int64)
+        # Which request's block ids each block-table row holds, and how many (see batch.py): rows of a
+        # request that stays at its row only get its new blocks written.
+        self.row_owner: list[object | None] = [None] * max_num_reqs
+        self.row_num_blocks: list[int] = [0] * max_num_reqs
+
+    def invalidate_rows(self) -> None:
+        """Forget row ownership after the host block table was written by anything but build_step_batch."""
+        self.row_owner = [None] * self.max_num_reqs
+        self.row_num_blocks = [0] * self.max_num_reqs

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -15,11 +15,16 @@ from pellucid.heads.registry import build_head
 from pellucid.logger import get_logger
 from pellucid.runner.batch import StepBatch, build_step_batch
 from pellucid.runner.buffers import StepBuffers
+from pellucid.runner.cuda_graphs import DecodeCudaGraphs, default_graph_sizes, graphs_unavailable_reason
 from pellucid.runner.output import ModelRunnerOutput
-from pellucid.runner.sampler import Sampler, gather_logprobs
+from pellucid.runner.sampler import Sampler, gather_logprobs, host_to_device
 from pellucid.runner.sampling_metadata_builder import build_sampling_metadata
 from pellucid.runner.state_pool import RecurrentStatePool
 from pellucid.tracing.hooks import StepTrace
+from pellucid.tracing.plan import TRACE_KEY
+from pellucid.tracing.taps import TapRuntime
+
+TRACE_EXTRAS_KEYS = frozenset({TRACE_KEY})
 
 logger = get_logger(__name__)
 
@@ -30,8 +35,8 @@ def choose_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     if device.type == "cuda":
         try:
             return get_backend_class("triton")
-        except ValueError:
-            logger.warning("Triton attention backend unavailable; using the torch reference backend on %s", device)
+        except ValueError as exc:
+            logger.warning("%s; using the slow torch reference backend on %s", exc, device)
     return get_backend_class("torch")
 
 
@@ -58,6 +63,17 @@ class ModelRunner:
         # before KV sizing so GPU profiling counts it.
         self.state_pool = RecurrentStatePool.for_model(model, self.max_num_reqs, dtype, device)
         logger.info("attention backend: %s", self.backend.name)
+        # ---- CUDA graphs (begin) ----
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        reason = graphs_unavailable_reason(device, config.runner.enforce_eager, self.backend,
+                                           self.state_pool is not None)
+        if reason is None:
+            sizes = config.runner.cuda_graph_sizes or default_graph_sizes(min(self.max_num_reqs, max_num_batched_tokens))
+            self.cuda_graphs = DecodeCudaGraphs(model, self.backend, self.buffers, self.block_size, max_model_len, sizes)
+        elif device.type == "cuda":
+            logger.info("CUDA graphs off: %s; every step runs eagerly", reason)
+        # ---- CUDA graphs (end) ----
+        self.tap_runtime = TapRuntime(max_num_batched_tokens, device)   # tracing taps' persistent buffers
 
     @property
     def supports_prefix_caching(self) -> bool:
@@ -102,43 +118,90 @@ class ModelRunner:
         return blocks
 
     def _dummy_forward(self, num_tokens: int) -> None:
-        """A prefill of `num_tokens` tokens in one sequence with a throwaway single-block-per-token cache."""
+        """A prefill of `num_tokens` tokens (split into sequences of at most max_model_len) on a throwaway
+        cache, then the LM head over up to max_num_seqs rows: the peak activation memory of a step."""
         from pellucid.engine.request import Request
         from pellucid.sampling_params import SamplingParams
 
         bs = self.block_size
-        nblocks = math.ceil(num_tokens / bs)
+        seq_len = min(num_tokens, self.max_model_len)
+        lengths = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        lengths = lengths[:self.max_num_reqs]
         saved = self.kv_caches
-        self.allocate_kv_cache(nblocks)
-        req = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
-        req.block_ids = list(range(nblocks))
-        so = SchedulerOutput(requests=[req], num_scheduled_tokens=[num_tokens], num_computed_tokens=[0],
-                             samples=[True])
-        extras = self.state_pool.scratch_extras(1) if self.state_pool is not None else None
-        self._forward(build_step_batch(so, self.buffers, bs), extras)
+        self.kv_caches = self._new_kv_caches(sum(math.ceil(n / bs) for n in lengths))
+        requests, next_block = [], 0
+        for i, n in enumerate(lengths):
+            req = Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1))
+            req.block_ids = list(range(next_block, next_block + math.ceil(n / bs)))
+            next_block += len(req.block_ids)
+            requests.append(req)
+        so = SchedulerOutput(requests=requests, num_scheduled_tokens=lengths, num_computed_tokens=[0] * len(lengths),
+                             samples=[True] * len(lengths))
+        extras = self.state_pool.scratch_extras(len(lengths)) if self.state_pool is not None else None
+        hidden = self._forward(build_step_batch(so, self.buffers, bs), extras)
+        rows = min(self.max_num_reqs, hidden.shape[0])
+        self.head.compute_logits(hidden[:rows]).softmax(dim=-1).sort(dim=-1)
         self.kv_caches = saved
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV pool, then capture the decode CUDA graphs over it (they bake its addresses)."""
+        self.kv_caches = self._new_kv_caches(num_blocks)
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.capture(self.kv_caches)
+
+    def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(m.num_attention_layers)]
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_attention_layers)]
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        batch = build_step_batch(so, self.buffers, self.block_size)
+        # ---- tracing + CUDA graphs (begin; pellucid/tracing/hooks.py) ----
+        # `trace` is None unless a request in this batch is traced. A decode-only step replays a CUDA
+        # graph padded to the next captured size (cuda_graphs.py says which steps cannot); a traced one
+        # only when all its module ops are taps, with a graph variant captured with those taps.
+        trace = StepTrace.for_step(so, self.model, self.tap_runtime)
+        graph_key = trace.graph_key if trace is not None else ()
+        graph_size = None
+        if self.cuda_graphs is not None and graph_key is not None:
+            graph_size = self.cuda_graphs.size_for(so, handled_extras_keys=TRACE_EXTRAS_KEYS if trace else ())
+            if graph_size is not None and graph_key and not self.cuda_graphs.ensure_variant(
+                    graph_size, graph_key, trace.capture_hooks, self.kv_caches):
+                graph_size = None
+        batch = build_step_batch(so, self.buffers, self.block_size, num_padded_tokens=graph_size,
+                                 num_padded_reqs=graph_size)
         extras = self.state_pool.prepare(so) if self.state_pool is not None else None
-        # Tracing (pellucid/tracing/hooks.py): None unless a request in this batch is traced. A traced
-        # step runs eagerly (no CUDA-graph replay) with hooks on the addressed modules for this forward only.
-        trace = StepTrace.for_batch(so, batch, self.model)
-        batch_is_traced = trace is not None
-        with trace.hooks() if batch_is_traced else contextlib.nullcontext():
-            hidden = self._forward(batch, extras)
+        if trace is not None:
+            trace.prepare(batch.num_padded_tokens, graph=graph_size is not None)
+        if graph_size is not None:
+            hidden = self.cuda_graphs.replay(graph_size, graph_key)
+            if trace is not None:
+                trace.after_replay()
+        else:
+            with trace.hooks() if trace is not None else contextlib.nullcontext():
+                hidden = self._forward(batch, extras)
+        # ---- tracing + CUDA graphs (end) ----
         out = self._sample(batch, hidden, trace)
         if trace is not None:
             trace.finish_step(out)
         return out
+
+    @contextlib.contextmanager
+    def _device_readback(self) -> Iterator[None]:
+        """Marks the step's device-to-host reads (sampled ids, logprobs): the only syncs of a step.
+
+        Under torch.cuda.set_sync_debug_mode (tests/gpu/test_no_sync.py) every other sync in the step
+        raises; this block lifts the mode for the intended reads only.
+        """
+        mode = torch.cuda.get_sync_debug_mode() if self.device.type == "cuda" else 0
+        if mode:
+            torch.cuda.set_sync_debug_mode(0)
+        try:
+            yield
+        finally:
+            if mode:
+                torch.cuda.set_sync_debug_mode(mode)
 
     def _forward(self, batch: StepBatch, extras: dict[str, Any] | None = None) -> torch.Tensor:
         ctx = ForwardContext(attn_metadata=batch.attn, backend=self.backend,
@@ -154,27 +217,32 @@ class ModelRunner:
             trace.apply_logits_ops(self.head, hidden)   # `logits` site: exact logits, edits reach the sampler
         if batch.sample_requests:
             sampling = build_sampling_metadata(batch.sample_requests, self.device)
+            sample_hidden = hidden.index_select(0, batch.sample_rows)   # index_select: no bounds sync
             if trace is None:
-                result = self.head.sample(hidden[batch.sample_rows], sampling, self.sampler)
+                result = self.head.sample(sample_hidden, sampling, self.sampler)
             else:
-                result = trace.sample(self.head, self.sampler, hidden[batch.sample_rows], sampling)
+                result = trace.sample(self.head, self.sampler, sample_hidden, sampling)
                 trace.record_tokens(result.sampled_token_ids)
-            token_ids = result.sampled_token_ids.tolist()   # the step's one device-to-host read
+            lp = result.logprobs
+            with self._device_readback():   # the step's one device-to-host read
+                token_ids = result.sampled_token_ids.tolist()
+                if lp is not None:
+                    ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
             for req, tok in zip(batch.sample_requests, token_ids):
                 out.sampled_token_ids[req.request_id] = tok
-            if result.logprobs is not None:
-                lp = result.logprobs
-                ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            if lp is not None:
                 for row, req in enumerate(batch.sample_requests):
                     if req.sampling_params.logprobs is not None:
                         k = req.sampling_params.logprobs + 1
                         out.logprobs[req.request_id] = (ids[row][:k], lps[row][:k], ranks[row])
         for plr in batch.prompt_logprob_rows:
             k = plr.request.sampling_params.prompt_logprobs
-            logits = self.head.compute_logits(hidden[torch.as_tensor(plr.rows, device=hidden.device)])
-            targets = torch.tensor(plr.target_token_ids, device=hidden.device)
+            rows = host_to_device(plr.rows.tolist(), torch.int64, hidden.device)
+            logits = self.head.compute_logits(hidden.index_select(0, rows))
+            targets = host_to_device(plr.target_token_ids, torch.int64, hidden.device)
             lp = gather_logprobs(logits, targets, k)
-            ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            with self._device_readback():   # prompt logprobs, asked for: read with the step's results
+                ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
             out.prompt_logprobs[plr.request.request_id] = (plr.first_position,
                                                           [(ids[r], lps[r], ranks[r]) for r in range(len(ranks))])
         return out

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Everything GPU-side of issue 4's runner path in one device call: GPU tests, then benchmarks.
+# Usage (device tool): bash benchmarks/gpu_issue4.sh [SECTION ...]   sections: tests qwen big throughput fused step
+# $OUT/summary.md gets every table as it is made; $OUT/all.log every command's full output. The whole
+# script stops starting sections after TOTAL_S seconds (default 560) so one device call holds it.
+set -u
+OUT=${OUT:-/tmp/gpu_issue4}
+TOTAL_S=${TOTAL_S:-560}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+sections=${*:-tests qwen big throughput fused step}
+date -u +"date: %Y-%m-%dT%H:%MZ" | tee "$OUT/summary.md"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.md"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.md"
+
+run() {  # run NAME TIMEOUT CMD...: full output to all.log, tables and verdicts to summary.md
+  local name=$1 limit=$2; shift 2
+  local left=$((TOTAL_S - SECONDS))
+  if [ "$left" -lt 20 ]; then echo "-- $name skipped: out of time" | tee -a "$OUT/summary.md"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name: ${PELLUCID_FUSED_KERNELS:+PELLUCID_FUSED_KERNELS=$PELLUCID_FUSED_KERNELS }$*" | tee -a "$OUT/summary.md"
+  local t0=$SECONDS
+  echo "==== $name" >> "$OUT/all.log"
+  timeout "$limit" "$@" > "/tmp/$name.log" 2>&1
+  local rc=$?
+  cat "/tmp/$name.log" >> "$OUT/all.log"
+  grep -E '^\||passed|failed|Error' "/tmp/$name.log" | tail -30 >> "$OUT/summary.md"
+  echo "-- $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.md"
+}
+
+for s in $sections; do
+  case $s in
+    tests) run gpu_tests 150 python3 -m pytest -x -q -p no:cacheprovider tests/gpu ;;
+    qwen) run lat_qwen_graphs 70 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,8,64,256 --output-len 64 ;;
+    big) run lat_llama8b 200 python3 -m pellucid.bench latency --model Llama-3.1-8B --batch-sizes 1,16 --output-len 64 --prefill-len 8192 ;;
+    throughput) run throughput_qwen 150 python3 -m pellucid.bench throughput --model Qwen3-0.6B ;;
+    fused)
+      for k in none rms_norm rotary silu_and_mul; do
+        PELLUCID_FUSED_KERNELS=$k run lat_qwen_fused_$k 40 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,64 --output-len 32
+      done
+      run lat_qwen_eager 40 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,64 --output-len 32 --enforce-eager ;;
+    step) run step_overhead 40 python3 benchmarks/step_overhead.py --batch 256 --steps 200 ;;
+  esac
+done
+echo "== summary"; cat "$OUT/summary.md"

@@ -1,0 +1,128 @@
+"""The "triton" attention backend: paged attention written in Triton in this project.
+
+Decode-only steps (every request has one query token) run the split-KV decode kernel, whose
+split count is picked on the host from the batch shape so that small batches still fill the GPU.
+Any step with a prefill or chunked-prefill row runs the unified kernel over all rows (decode rows
+included), so a mixed batch is one launch per layer. Both paths read only device tensors and
+host-known sizes, so a decode step with a fixed number of requests can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from pellucid.attention.backend import AttentionBackend, register_backend
+from pellucid.attention.metadata import CommonAttentionMetadata
+from pellucid.attention.triton_kernels import decode_attention, unified_attention, write_kv
+from pellucid.logger import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class TritonAttentionMetadata:
+    common: CommonAttentionMetadata
+    decode_only: bool
+    num_splits: int                       # decode path only; 1 = no reduce kernel
+    decode_block_n: int                   # KV tokens per decode loop step
+    num_covered_rows: int                 # query rows owned by requests (host copy of query_start_loc[-1])
+    partial_out: torch.Tensor | None      # [num_reqs, heads, num_splits, head_dim] float32 split workspace
+    partial_lse: torch.Tensor | None      # [num_reqs, heads, num_splits] float32
+
+
+@register_backend("triton")
+class TritonAttentionBackend(AttentionBackend):
+    # Graph-safe (see module docstring). The runner builds the metadata once per captured size with
+    # max_seq_len = max_model_len and replays it; build_metadata's split workspaces live with the graph.
+    supports_cuda_graphs = True
+    # Tuning knobs, chosen from measurements on an H100 (benchmarks/attention_bench.py): wide KV tiles
+    # when there are fewer (request, kv_head) pairs than SMs (latency-bound), narrower ones otherwise.
+    decode_block_n_small_batch: int = 128
+    decode_block_n_large_batch: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    decode_max_splits: int = 32
+    decode_min_tokens_per_split: int = 128
+    decode_programs_per_sm: int = 2
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"triton attention supports float16, bfloat16 and float32, not {dtype}")
+        device = torch.device(device)
+        if device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.num_sms = 8  # CPU only under TRITON_INTERPRET=1 (tests); the split count just varies
+        wide = head_dim > 128 or dtype == torch.float32
+        self.prefill_block_m = 64 if wide else 128
+        self.prefill_block_n = 32 if wide else 64
+        self.prefill_num_warps = 4 if head_dim <= 64 else 8
+        self.prefill_num_stages = 1 if wide else 2
+        logger.debug("triton attention: heads=%d kv_heads=%d head_dim=%d dtype=%s sms=%d",
+                     num_heads, num_kv_heads, head_dim, dtype, self.num_sms)
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        decode_only = common.max_query_len <= 1
+        num_covered_rows = int(common.query_start_loc_cpu[common.num_reqs])
+        num_splits = self._decode_num_splits(common) if decode_only else 1
+        partial_out = partial_lse = None
+        if num_splits > 1:
+            device = common.query_start_loc.device
+            partial_out = torch.empty(common.num_reqs, self.num_heads, num_splits, self.head_dim,
+                                      dtype=torch.float32, device=device)
+            partial_lse = torch.empty(common.num_reqs, self.num_heads, num_splits, dtype=torch.float32,
+                                      device=device)
+        small_batch = common.num_reqs * self.num_kv_heads < self.num_sms
+        block_n = self.decode_block_n_small_batch if small_batch else self.decode_block_n_large_batch
+        return TritonAttentionMetadata(common, decode_only, num_splits, block_n, num_covered_rows,
+                                       partial_out, partial_lse)
+
+    def _decode_num_splits(self, common: CommonAttentionMetadata) -> int:
+        """Enough programs to fill the GPU, but no split shorter than decode_min_tokens_per_split.
+
+        Any count is correct for any sequence length (boundaries are computed on the device); under
+        CUDA graphs the count captured is the one replayed, so capture with max_seq_len set to the
+        longest length the graph will serve.
+        """
+        programs = max(1, common.num_reqs * self.num_kv_heads)
+        wanted = triton.cdiv(self.decode_programs_per_sm * self.num_sms, programs)
+        by_length = triton.cdiv(max(common.max_seq_len, 1), self.decode_min_tokens_per_split)
+        return max(1, min(wanted, by_length, self.decode_max_splits))
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if not isinstance(metadata, TritonAttentionMetadata):
+            raise TypeError(f"triton attention got {type(metadata).__name__}; pass what its build_metadata returned")
+        if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_dim):
+            raise ValueError(f"query {tuple(query.shape)} is not [T, {self.num_heads}, {self.head_dim}]")
+        if query.dtype != kv_cache.dtype:
+            raise ValueError(f"query dtype {query.dtype} differs from the KV cache dtype {kv_cache.dtype}")
+        if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+            raise ValueError("triton attention needs the head dimension contiguous in query and kv_cache")
+        common = metadata.common
+        out = torch.empty_like(query)
+        if query.shape[0] > metadata.num_covered_rows:
+            out[metadata.num_covered_rows:].zero_()  # padding rows owned by no request: zeros, never garbage
+        if common.num_reqs == 0:
+            return out
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if metadata.decode_only:
+            decode_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
+                             out, scale, metadata.num_splits, metadata.partial_out, metadata.partial_lse,
+                             block_n=metadata.decode_block_n, num_warps=self.decode_num_warps,
+                             num_stages=self.decode_num_stages)
+        else:
+            unified_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
+                              out, scale, block_m=self.prefill_block_m, block_n=self.prefill_block_n,
+                              num_warps=self.prefill_num_warps, num_stages=self.prefill_num_stages)
+        return out

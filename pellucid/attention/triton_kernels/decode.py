@@ -1,0 +1,182 @@
+"""Split-KV (flash-decoding) paged attention for batches where every request has one query token.
+
+Grid: (request, kv_head, split). One program reads one split of one request's KV for one KV head
+and serves all query heads of that group at once, so each KV byte is read once per step. The split
+boundaries are derived on the device from the request's sequence length, so any split count is
+correct for any length: the count is only a performance knob, fixed on the host (CUDA-graph safe).
+With one split the kernel writes the output directly; otherwise a reduce kernel merges the splits
+by their log-sum-exp.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    scale_log2, num_splits,
+    stride_q_t, stride_q_h,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_block_table,
+    stride_out_t, stride_out_h,
+    stride_po_req, stride_po_head, stride_po_split,
+    stride_pl_req, stride_pl_head,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_row = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    if q_end <= q_row:
+        return  # padded request without a query row: nothing to compute, nothing to write
+    seq_len = tl.load(seq_lens_ptr + req)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    if not DIRECT_OUTPUT:
+        if (start >= seq_len) & (split > 0):
+            return  # empty split: the reduce kernel reads only the non-empty ones
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + q_row * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    cache_head = kv_head * stride_cache_head
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        block = tl.load(block_table_ptr + req * stride_block_table + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        row = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + cache_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        # every tile holds at least one valid key, so m_new is finite and no row becomes NaN
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    safe_l = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding) yields zeros, not NaN
+    result = acc / safe_l[:, None]
+    store_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT_OUTPUT:
+        tl.store(out_ptr + q_row * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
+                 result.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(safe_l))
+        tl.store(partial_out_ptr + req * stride_po_req + heads[:, None] * stride_po_head
+                 + split * stride_po_split + offs_d[None, :], result, mask=store_mask)
+        tl.store(partial_lse_ptr + req * stride_pl_req + heads * stride_pl_head + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    num_splits,
+    stride_po_req, stride_po_head, stride_po_split,
+    stride_pl_req, stride_pl_head,
+    stride_out_t, stride_out_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    if q_end <= q_row:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # same split boundaries as the split kernel; split 0 always wrote (zeros when seq_len == 0)
+    active = tl.maximum(tl.cdiv(seq_len, tl.maximum(tokens_per_split, 1)), 1)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < active
+    lse = tl.load(partial_lse_ptr + req * stride_pl_req + head * stride_pl_head + offs_s,
+                  mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    parts = tl.load(partial_out_ptr + req * stride_po_req + head * stride_po_head
+                    + offs_s[:, None] * stride_po_split + offs_d[None, :],
+                    mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    result = tl.sum(parts * w[:, None], 0) / denom
+    tl.store(out_ptr + q_row * stride_out_t + head * stride_out_h + offs_d,
+             result.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor, scale: float,
+    num_splits: int, partial_out: torch.Tensor | None, partial_lse: torch.Tensor | None,
+    block_n: int, num_warps: int, num_stages: int,
+) -> None:
+    """query/out: [T, heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim].
+
+    Row query_start_loc[r] of `out` is written for each request r with one query row.
+    partial_out [R, heads, num_splits, head_dim] and partial_lse [R, heads, num_splits] (float32) are
+    the split workspace, needed when num_splits > 1.
+    """
+    num_reqs = seq_lens.shape[0]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    direct = num_splits == 1
+    if not direct and (partial_out is None or partial_lse is None):
+        raise ValueError("decode_attention with num_splits > 1 needs the partial_out/partial_lse workspace")
+    po = partial_out if not direct else out
+    pl = partial_lse if not direct else out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        out, po, pl,
+        scale * 1.4426950408889634, num_splits,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        0 if direct else po.stride(0), 0 if direct else po.stride(1), 0 if direct else po.stride(2),
+        0 if direct else pl.stride(0), 0 if direct else pl.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT_OUTPUT=direct,
+        IEEE_DOT=query.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    if direct:
+        return
+    _decode_reduce_kernel[(num_reqs, num_heads)](
+        po, pl, seq_lens, query_start_loc, out,
+        num_splits,
+        po.stride(0), po.stride(1), po.stride(2),
+        pl.stride(0), pl.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+        num_warps=4 if head_dim >= 128 else 2,
+    )

@@ -1,0 +1,5 @@
+import sys
+
+from pellucid.bench import main
+
+sys.exit(main())

@@ -1,0 +1,102 @@
+"""`pellucid bench latency`: prefill time and per-token decode time at given batch sizes, against the
+weight-bytes floor (weights + KV read per step over the copy bandwidth measured in the same run), and
+one long prefill against the bf16 matmul rate."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pellucid.bench.common import (add_model_args, kv_bytes_per_token, make_engine, prefill_flops, print_table,
+                                   random_prompts, weight_bytes_per_step)
+from pellucid.bench.floors import measure_floors, print_floors
+
+
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated decode batch sizes")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this many tokens")
+
+
+def _run_batch(core, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
+    """(prefill seconds until every request has its first token, decode step seconds)."""
+    from pellucid.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    vocab = core.runner.head.vocab_size
+    for i, prompt in enumerate(random_prompts([input_len] * batch, vocab, seed)):
+        core.add_request(f"lat-{batch}-{i}", prompt, params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.num_waiting:
+        core.step()
+    prefill = time.perf_counter() - start
+    steps = []
+    while core.has_unfinished_requests():
+        t0 = time.perf_counter()
+        core.step()     # ends with the sampled-token readback, so the GPU work is included
+        steps.append(time.perf_counter() - t0)
+    return prefill, steps[:-1] if len(steps) > 1 else steps
+
+
+def _graph_forward_seconds(core, batch: int) -> float | None:
+    """GPU time of one replay of the decode graph for `batch` alone (no host work), event-timed.
+
+    Run right after that batch's last step, so the buffers still describe its requests at full context
+    (their KV blocks are free by now, but nothing else runs: the replays only read and rewrite them).
+    """
+    graphs = core.runner.cuda_graphs
+    if graphs is None or batch not in graphs.sizes:
+        return None
+    for _ in range(3):
+        graphs.replay(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graphs.replay(batch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 20 * 1e-3
+
+
+def run_latency(args: argparse.Namespace) -> None:
+    floors = measure_floors()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    max_len = max(args.input_len + args.output_len, args.prefill_len + 1) + 16
+    budget = max(8192, args.prefill_len, max(batches) * args.input_len // 4)
+    core, model_dir = make_engine(args, max_len, max(batches), budget)
+    model = core.runner.model
+    weights = weight_bytes_per_step(model)
+    kv_token = kv_bytes_per_token(model, core.dtype)
+    _run_batch(core, min(batches), 16, 8, args.seed + 99)    # warm-up: kernel compilation
+    rows = []
+    for batch in batches:
+        prefill, steps = _run_batch(core, batch, args.input_len, args.output_len, args.seed + batch)
+        step = statistics.median(steps)
+        forward = _graph_forward_seconds(core, batch)
+        mean_context = args.input_len + args.output_len / 2
+        floor = floors.bytes_time(weights + batch * mean_context * kv_token)
+        rows.append([args.model, "eager" if args.enforce_eager else "graphs", str(batch), f"{prefill * 1e3:.1f}",
+                     f"{step * 1e3:.3f}", f"{batch / step:.0f}", "-" if forward is None else f"{forward * 1e3:.3f}",
+                     f"{floor * 1e3:.3f}", f"{step / floor:.2f}x"])
+    print_floors(floors)
+    print(f"\nweights read per step: {weights / 1e9:.3f} GB; prompt {args.input_len} tokens, {args.output_len} "
+          "generated; decode step = median wall time of an engine step (schedule to token readback)")
+    print_table(["model", "mode", "batch", "prefill ms", "decode ms/step", "tokens/s", "graph forward ms",
+                 "floor ms/step", "step / floor"], rows)
+    if args.prefill_len:
+        times = []
+        for rep in range(3):
+            prefill, _ = _run_batch(core, 1, args.prefill_len, 1, args.seed + 1000 + rep)
+            times.append(prefill)
+        t = statistics.median(times)
+        flops = prefill_flops(model, args.prefill_len)
+        rate = flops / t
+        print()
+        print_table(["model", "prompt tokens", "prefill ms", "TFLOP/s", "matmul TFLOP/s (same run)", "ratio"],
+                    [[args.model, str(args.prefill_len), f"{t * 1e3:.1f}", f"{rate / 1e12:.0f}",
+                      f"{floors.matmul_flops_per_s / 1e12:.0f}", f"{rate / floors.matmul_flops_per_s:.2f}"]])

@@ -1,0 +1,336 @@
+"""Extraction output: safetensors files written atomically, and a manifest of completed samples.
+
+Directory layout:
+    extraction.json          what the directory holds: model, fingerprint, dtype, layers, generate settings
+    manifest.jsonl           one line per completed sample: {"id", "file", "prefix", "num_tokens", "prompt_length"}
+    sample-00000001.safetensors   (shard_size 1)   or   shard-00000001.safetensors   (shard_size K)
+
+Each sample is `hidden_states` [num_tokens, num_layers, hidden] (model dtype), `input_ids` [num_tokens]
+int64, `prompt_length` (0-dim int64) and, when known, `loss_mask` [num_tokens] bool. In a one-sample
+file the tensors carry those names; in a shard, sample j's are named "{j}/hidden_states", ... (the
+manifest's `prefix`). The safetensors header metadata holds the layer ids, model name, fingerprint,
+dtype and the sample ids of the file.
+
+Crash safety: a file is written under a hidden temporary name in the same directory, flushed, fsynced
+and renamed into place (readers never see a partial file); only then are its manifest lines appended
+and fsynced. A restarted job trusts the manifest alone: it drops a torn last line, deletes data files
+the manifest does not reference (written by a job killed before its manifest lines) and temporary
+files, and skips the samples listed. One job at a time may write a directory (an advisory lock).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import queue
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from pellucid.logger import get_logger
+
+logger = get_logger(__name__)
+
+FORMAT = "pellucid-hidden-states/1"
+MANIFEST = "manifest.jsonl"
+JOB_INFO = "extraction.json"
+LOCK = ".extraction.lock"
+_DATA_FILE = re.compile(r"^(sample|shard)-(\d{8})\.safetensors$")
+_TMP_SUFFIX = ".tmp"
+# Settings that must match for a directory to be resumed (mixing them would silently corrupt a dataset).
+_RESUME_KEYS = ("format", "fingerprint", "dtype", "layers", "generate")
+
+
+class ExtractionError(RuntimeError):
+    """An extraction job stopped; completed samples are in the manifest and the job can be rerun to resume."""
+
+
+@dataclass
+class SampleRecord:
+    sample_id: str
+    input_ids: torch.Tensor              # [T] int64
+    # [T, num_layers, hidden] in the model dtype, or its per-layer [T, hidden] columns: the stacking copy
+    # then happens in tensors(), on the writer thread, off the engine's loop.
+    hidden_states: torch.Tensor | list[torch.Tensor]
+    prompt_length: int
+    loss_mask: torch.Tensor | None = None    # [T] bool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def stacked_hidden_states(self) -> torch.Tensor:
+        if isinstance(self.hidden_states, list):
+            return torch.stack(self.hidden_states, dim=1)
+        return self.hidden_states.contiguous()
+
+    def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        out = {f"{prefix}hidden_states": self.stacked_hidden_states(),
+               f"{prefix}input_ids": self.input_ids.to(torch.int64).contiguous(),
+               f"{prefix}prompt_length": torch.tensor(self.prompt_length, dtype=torch.int64)}
+        if self.loss_mask is not None:
+            out[f"{prefix}loss_mask"] = self.loss_mask.to(torch.bool).contiguous()
+        return out
+
+
+def model_fingerprint(model_dir: str) -> str:
+    """sha256 over config.json's bytes and the names and sizes of the weight files: changes when the
+    model does, without hashing gigabytes of weights."""
+    digest = hashlib.sha256()
+    try:
+        with open(os.path.join(model_dir, "config.json"), "rb") as f:
+            digest.update(f.read())
+        names = sorted(n for n in os.listdir(model_dir) if n.endswith((".safetensors", ".bin", ".pt")))
+    except OSError as exc:
+        raise ValueError(f"cannot fingerprint the model directory {model_dir!r}: {exc}") from exc
+    for name in names:
+        digest.update(f"\0{name}\0{os.path.getsize(os.path.join(model_dir, name))}".encode())
+    return digest.hexdigest()
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write `data` to `path` so that `path` is either absent/old or complete: temporary name in the
+    same directory, write, flush, fsync, rename, fsync the directory. Removes the temporary on failure."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}{_TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(output_dir: str) -> list[dict[str, Any]]:
+    """The complete lines of the manifest (a torn last line, being written or left by a crash, is ignored)."""
+    path = os.path.join(output_dir, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return []
+    entries = []
+    for line in raw.split(b"\n")[:-1]:       # the part after the last newline is incomplete
+        if line.strip():
+            entries.append(json.loads(line))
+    return entries
+
+
+class DatasetWriter:
+    """Writes SampleRecords to `output_dir`, `shard_size` per file, on a background thread.
+
+    `add` buffers records into shards and hands full shards to the writer thread; `close` writes the
+    last partial shard and waits. An I/O failure on the thread is raised (as ExtractionError) by the
+    next `add` or by `close`; nothing written before it is affected.
+    """
+
+    def __init__(self, output_dir: str, job_info: dict[str, Any], shard_size: int = 1,
+                 background: bool = True) -> None:
+        if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1:
+            raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
+        self.output_dir = os.path.abspath(output_dir)
+        # JSON round trip: the settings compared on resume must look exactly as they do when read back.
+        self.job_info = json.loads(json.dumps({"format": FORMAT, **job_info}))
+        self.shard_size = shard_size
+        self._lock_fd: int | None = None
+        self._prepare_directory()
+        entries = self._recover()
+        self.done_ids: set[str] = {e["id"] for e in entries}
+        self.num_existing_samples = len(self.done_ids)
+        self._next_file = 1 + max((int(m.group(2)) for e in entries if (m := _DATA_FILE.match(e["file"]))), default=0)
+        self._buffer: list[SampleRecord] = []
+        self._error: BaseException | None = None
+        self._mutex = threading.Lock()     # add/flush may be called from several threads (server)
+        self.files_written: list[str] = []
+        self.num_samples_written = 0
+        self._queue: queue.Queue[list[SampleRecord] | None] | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=4)    # bounds the memory of shards waiting for the disk
+            self._thread = threading.Thread(target=self._drain, name="pellucid-extraction-writer", daemon=True)
+            self._thread.start()
+
+    # ---- opening --------------------------------------------------------------------------------
+    def _prepare_directory(self) -> None:
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            probe = os.path.join(self.output_dir, f".write-probe.{os.getpid()}{_TMP_SUFFIX}")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.unlink(probe)
+        except OSError as exc:
+            raise ExtractionError(f"the output directory {self.output_dir!r} is not writable: {exc}") from exc
+        self._lock_fd = os.open(os.path.join(self.output_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise ExtractionError(f"another extraction job is writing to {self.output_dir!r}") from exc
+
+    def _recover(self) -> list[dict[str, Any]]:
+        """Check the directory's settings, repair the manifest, remove what a killed job left half done."""
+        info_path = os.path.join(self.output_dir, JOB_INFO)
+        if os.path.exists(info_path):
+            with open(info_path, encoding="utf-8") as f:
+                existing = json.load(f)
+            for key in _RESUME_KEYS:
+                if existing.get(key) != self.job_info.get(key):
+                    self._release_lock()
+                    raise ExtractionError(
+                        f"{self.output_dir!r} holds an extraction with {key}={existing.get(key)!r}, but this job has "
+                        f"{key}={self.job_info.get(key)!r}; use another output directory")
+        else:
+            atomic_write(info_path, (json.dumps(self.job_info, indent=2, sort_keys=True) + "\n").encode())
+        entries = read_manifest(self.output_dir)
+        self._truncate_torn_manifest_line()
+        referenced = {e["file"] for e in entries}
+        for name in os.listdir(self.output_dir):
+            stale = name.endswith(_TMP_SUFFIX) or (_DATA_FILE.match(name) is not None and name not in referenced)
+            if stale:
+                logger.info("removing %s, left by an interrupted job (its samples are not in the manifest and "
+                            "will be extracted again)", name)
+                os.unlink(os.path.join(self.output_dir, name))
+        return entries
+
+    def _truncate_torn_manifest_line(self) -> None:
+        path = os.path.join(self.output_dir, MANIFEST)
+        if not os.path.exists(path):
+            return
+        with open(path, "rb+") as f:
+            raw = f.read()
+            keep = raw.rfind(b"\n") + 1
+            if keep != len(raw):
+                logger.warning("dropping a torn last line of %s (written by an interrupted job)", path)
+                f.truncate(keep)
+                f.flush()
+                os.fsync(f.fileno())
+
+    # ---- writing --------------------------------------------------------------------------------
+    def add(self, record: SampleRecord) -> None:
+        with self._mutex:
+            self._raise_pending()
+            self._buffer.append(record)
+            if len(self._buffer) >= self.shard_size:
+                self._submit(self._buffer)
+                self._buffer = []
+
+    def write_now(self, record: SampleRecord) -> str:
+        """Write one record as its own file synchronously (server use); returns the file name."""
+        if self._thread is not None:
+            raise RuntimeError("write_now is for writers made with background=False")
+        with self._mutex:
+            self._raise_pending()
+            return self._write_shard([record])
+
+    def flush(self) -> None:
+        """Hand the partial shard (if any) to the writer."""
+        with self._mutex:
+            if self._buffer:
+                self._submit(self._buffer)
+                self._buffer = []
+
+    def close(self) -> None:
+        """Write what is buffered, wait for the writer thread, release the directory. Raises the first
+        I/O error if there was one."""
+        try:
+            if self._error is None:
+                self.flush()
+            if self._thread is not None:
+                assert self._queue is not None
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = None
+            self._raise_pending()
+        finally:
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _submit(self, records: list[SampleRecord]) -> None:
+        if self._queue is None:
+            self._write_shard(records)
+            return
+        while True:     # wake up now and then to notice a writer that failed while we wait for room
+            try:
+                self._queue.put(records, timeout=0.5)
+                return
+            except queue.Full:
+                self._raise_pending()
+
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while True:
+            records = self._queue.get()
+            if records is None:
+                return
+            if self._error is not None:
+                continue      # after a failure, write nothing more (the job is stopping)
+            try:
+                self._write_shard(records)
+            except BaseException as exc:
+                self._error = exc
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            exc = self._error
+            hint = " (the disk is full)" if isinstance(exc, OSError) and exc.errno == errno.ENOSPC else ""
+            raise ExtractionError(
+                f"writing to {self.output_dir!r} failed{hint}: {exc}. The {self.num_existing_samples + self.num_samples_written} "
+                f"samples listed in {MANIFEST} are complete; fix the problem and rerun the same job to resume") from exc
+
+    def _write_shard(self, records: list[SampleRecord]) -> str:
+        kind = "sample" if self.shard_size == 1 else "shard"
+        name = f"{kind}-{self._next_file:08d}.safetensors"
+        self._next_file += 1
+        single = self.shard_size == 1
+        tensors: dict[str, torch.Tensor] = {}
+        lines = []
+        for j, record in enumerate(records):
+            prefix = "" if single else f"{j}/"
+            tensors.update(record.tensors(prefix))
+            lines.append(json.dumps({"id": record.sample_id, "file": name, "prefix": prefix,
+                                     "num_tokens": record.num_tokens, "prompt_length": record.prompt_length}))
+        metadata = {key: value if isinstance(value, str) else json.dumps(value) for key, value in self.job_info.items()}
+        metadata["sample_ids"] = json.dumps([r.sample_id for r in records])
+        metadata["num_samples"] = str(len(records))
+        atomic_write(os.path.join(self.output_dir, name), safetensors_save(tensors, metadata=metadata))
+        self._append_manifest(lines)
+        self.files_written.append(name)
+        self.num_samples_written += len(records)
+        return name
+
+    def _append_manifest(self, lines: list[str]) -> None:
+        with open(os.path.join(self.output_dir, MANIFEST), "ab") as f:
+            f.write(("\n".join(lines) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,51 @@
+"""The batch size up to which FlashHead beats the dense head, measured at startup on the head's own shapes.
+
+Stage 2 reads p * S rows of the head per row of the batch (rows rarely share clusters), so its traffic
+grows with the batch while the dense head reads the whole matrix once: above some batch size the dense
+head is faster. Where that happens depends on V, H, C, S, p and the GPU, so it is timed, not assumed:
+greedy FlashHead against dense logits + argmax at batch 1, 2, 4, ... until the dense head wins.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def time_us(fn: Callable[[], object], calls: int = 10, groups: int = 5) -> float:
+    """Median over `groups` of the mean time of `calls` back-to-back calls, by CUDA events (after warmup,
+    which also compiles the kernels for this shape)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(groups):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(samples)
+
+
+def measure_max_fast_batch(dense: Callable[[torch.Tensor], object], flash: Callable[[torch.Tensor], object],
+                           hidden_size: int, dtype: torch.dtype, device: torch.device,
+                           ladder: tuple[int, ...] = LADDER) -> tuple[int, list[tuple[int, float, float]]]:
+    """(largest ladder batch at which FlashHead is no slower than dense at it and every smaller ladder
+    batch, or 0 if it loses at batch 1; the (batch, dense us, flash us) rows timed)."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    max_fast, table = 0, []
+    with torch.inference_mode():
+        for batch in ladder:
+            hidden = torch.randn(batch, hidden_size, generator=generator).to(device, dtype)
+            dense_us = time_us(lambda: dense(hidden))
+            flash_us = time_us(lambda: flash(hidden))
+            table.append((batch, dense_us, flash_us))
+            if flash_us > dense_us:
+                break
+            max_fast = batch
+    return max_fast, table

@@ -1,0 +1,198 @@
+"""FlashHead: two-stage retrieval LM head (Embedl, arXiv 2603.14591), training-free.
+
+Stage 1 scores all C cluster centroids and keeps p probes; stage 2 computes exact logits for the p * S
+tokens of those clusters. Greedy rows keep the p best-scoring clusters and take the max over the
+candidates. Sampled rows draw p clusters without replacement in proportion to softmax(score / T)
+(Gumbel top-p), so every token stays reachable, then the normal sampler applies temperature, min-p,
+top-k and top-p over the candidates' exact logits.
+
+Rows whose result depends on the whole vocabulary go through the exact dense `compute_logits` and the
+sampler unchanged (see docs/flashhead.md): any logprobs, penalties, and banned tokens (min_tokens). So does
+a whole batch whose fast rows outnumber `max_fast_batch`, the measured size above which the dense head is
+faster on this GPU (crossover.py); the rule is logged at startup.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from pellucid.config import resolve_dtype
+from pellucid.heads.base import LMHead
+from pellucid.heads.flashhead import kernels
+from pellucid.heads.flashhead.crossover import measure_max_fast_batch
+from pellucid.heads.flashhead.asset import default_asset_path, load_asset, resolve_asset_path
+from pellucid.heads.flashhead.clustering import PAD_TOKEN
+from pellucid.logger import get_logger
+from pellucid.runner.sampler import exponential_noise, host_to_device
+from pellucid.runner.sampling_metadata import SamplerOutput, SamplingMetadata
+
+logger = get_logger(__name__)
+
+OPTIONS = ("asset", "probes", "stage1_dtype", "max_fast_batch")
+DEFAULT_PROBES = 256
+
+
+def rows_needing_dense(sampling: SamplingMetadata, num_rows: int) -> list[int]:
+    """Rows whose output depends on full-vocabulary logits. Logprobs and penalties are batch-level
+    facts on the host (which rows carry penalties lives only in device tensors), so they send every row."""
+    if sampling.max_num_logprobs is not None or not sampling.no_penalties:
+        return list(range(num_rows))
+    return sorted(row for row, ids in sampling.banned_token_ids.items() if ids)
+
+
+def subset_metadata(sampling: SamplingMetadata, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
+    """The metadata of `rows` (renumbered 0..len-1). The host `all_*`/`no_*` flags stay true for a subset."""
+    renumber = {old: new for new, old in enumerate(rows)}
+    pick = (lambda lists: None if lists is None else [lists[r] for r in rows])
+    return dataclasses.replace(
+        sampling,
+        temperature=sampling.temperature[index], top_p=sampling.top_p[index], top_k=sampling.top_k[index],
+        min_p=sampling.min_p[index], presence_penalty=sampling.presence_penalty[index],
+        frequency_penalty=sampling.frequency_penalty[index],
+        repetition_penalty=sampling.repetition_penalty[index],
+        generators={renumber[r]: g for r, g in sampling.generators.items() if r in renumber},
+        prompt_token_ids=pick(sampling.prompt_token_ids), output_token_ids=pick(sampling.output_token_ids),
+        banned_token_ids={renumber[r]: ids for r, ids in sampling.banned_token_ids.items() if r in renumber})
+
+
+class FlashHead(LMHead):
+    name = "flashhead"
+
+    def __init__(self, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None) -> None:
+        super().__init__(weight, options, model_dir)
+        unknown = sorted(set(self.options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown flashhead option(s) {unknown}; known: {', '.join(OPTIONS)}")
+        asset_path = self.options.get("asset")
+        if asset_path is None:
+            if model_dir is None:
+                raise ValueError("flashhead needs head_options={'asset': PATH} when no model directory is known")
+            asset_path = default_asset_path(model_dir)
+        self.asset_path = resolve_asset_path(str(asset_path))
+        asset = load_asset(self.asset_path, weight)
+        self.num_clusters, self.cluster_size = asset.num_clusters, asset.cluster_size
+        self.probes = int(self.options.get("probes", min(DEFAULT_PROBES, self.num_clusters)))
+        if not 1 <= self.probes <= self.num_clusters:
+            raise ValueError(f"flashhead probes must be in [1, {self.num_clusters}] (the number of clusters), "
+                             f"got {self.probes}")
+        device = weight.device
+        stage1_dtype = self.options.get("stage1_dtype", "auto")
+        self.stage1_dtype = weight.dtype if stage1_dtype == "auto" else resolve_dtype(stage1_dtype, "cuda")
+        self.centroids = asset.centroids.to(device=device, dtype=self.stage1_dtype).contiguous()
+        self.cluster_token_ids = asset.token_ids.to(device).contiguous()
+        # A permuted copy of the head, rows contiguous per cluster, padding rows zero (and masked anyway).
+        flat_ids = self.cluster_token_ids.reshape(-1)
+        rows = weight.detach()[flat_ids.clamp_min(0)]
+        rows[flat_ids == PAD_TOKEN] = 0
+        self.cluster_weight = rows.reshape(self.num_clusters, self.cluster_size, -1).contiguous()
+        self._all_clusters = torch.arange(self.num_clusters, device=device).unsqueeze(0)
+        self.rows_fast = 0    # rows served by retrieval, for /metrics
+        self.rows_dense = 0   # rows routed to exact dense logits (exactness rule or batch crossover)
+        self.max_fast_batch = self._resolve_max_fast_batch(self.options.get("max_fast_batch", "auto"))
+
+    def _resolve_max_fast_batch(self, value: Any) -> int | None:
+        """None = the fast path at every batch size. "auto" measures the crossover on CUDA; off-GPU the
+        torch path has no crossover worth measuring, so every batch takes the fast path."""
+        if value is None:
+            return None
+        if value != "auto":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"flashhead max_fast_batch must be 'auto', null or an integer >= 0, got {value!r}")
+            logger.info("flashhead: fast path for batches of up to %d rows, dense above (set by max_fast_batch)",
+                        value)
+            return value
+        if not self.weight.is_cuda:
+            logger.info("flashhead: fast path at every batch size (no crossover is measured off-GPU)")
+            return None
+        limit, table = measure_max_fast_batch(lambda h: self.compute_logits(h).argmax(dim=1), self.greedy,
+                                              self.weight.shape[1], self.weight.dtype, self.weight.device)
+        timings = ", ".join(f"b{b}: dense {d:.0f} us / flash {f:.0f} us" for b, d, f in table)
+        if limit == 0:
+            logger.warning("flashhead: slower than the dense head even at batch 1 on this GPU (%s); every row "
+                           "takes the dense path", timings)
+        else:
+            logger.info("flashhead: fast path for batches of up to %d rows, dense above (measured greedy head "
+                        "latency: %s)", limit, timings)
+        return limit
+
+    # ------------------------------------------------------------------------------------ retrieval
+
+    def candidates(self, hidden: torch.Tensor,
+                   sampling: SamplingMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [R, p*S], exact logits [R, p*S] float32) of the probed clusters; padding slots have
+        id -1 and logit -inf. Without `sampling` (or for greedy rows) the p best-scoring clusters."""
+        num_rows = hidden.shape[0]
+        if self.probes >= self.num_clusters:
+            clusters = self._all_clusters.expand(num_rows, -1)
+        else:
+            scale, noise = self._cluster_draw(num_rows, hidden.device, sampling)
+            keys = kernels.stage1(hidden, self.centroids, scale, noise)
+            clusters = kernels.select_top(keys, self.probes)
+        logits, token_ids = kernels.stage2(hidden, self.cluster_weight, self.cluster_token_ids, clusters)
+        return token_ids, logits
+
+    def _cluster_draw(self, num_rows: int, device: torch.device,
+                      sampling: SamplingMetadata | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Scale and noise for stage 1: Gumbel-top-p over score / T draws clusters without replacement
+        with probability proportional to softmax(score / T); greedy rows get scale 1 and no noise
+        (all-greedy batches: no scale at all)."""
+        if sampling is None or sampling.all_greedy:
+            return None, None
+        temperature = sampling.temperature.float()
+        greedy = temperature == 0
+        scale = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature.clamp_min(1e-30))
+        gumbel = -torch.log(exponential_noise(torch.Size((num_rows, self.num_clusters)), device,
+                                              sampling.generators))
+        if not sampling.all_random:
+            gumbel = gumbel.masked_fill(greedy.unsqueeze(1), 0.0)
+        return scale, gumbel
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Argmax token per row among the p best-scoring clusters (no logits materialised on CUDA)."""
+        return kernels.greedy_tokens(hidden, self.centroids, self.cluster_weight, self.cluster_token_ids,
+                                     self.probes, self._all_clusters)
+
+    # ------------------------------------------------------------------------------------- sampling
+
+    def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
+        num_rows = hidden.shape[0]
+        dense = rows_needing_dense(sampling, num_rows)
+        if self.max_fast_batch is not None and num_rows - len(dense) > self.max_fast_batch:
+            dense = list(range(num_rows))   # past the measured crossover: the dense head is faster
+        if len(dense) == num_rows:
+            self.rows_dense += num_rows
+            return sampler(self.compute_logits(hidden), sampling)
+        if not dense:
+            self.rows_fast += num_rows
+            return self._sample_fast(hidden, sampling, sampler)
+        dense_set = set(dense)
+        fast = [row for row in range(num_rows) if row not in dense_set]
+        self.rows_fast += len(fast)
+        self.rows_dense += len(dense)
+        fast_index = host_to_device(fast, torch.int64, hidden.device)
+        dense_index = host_to_device(dense, torch.int64, hidden.device)
+        fast_out = self._sample_fast(hidden[fast_index], subset_metadata(sampling, fast, fast_index), sampler)
+        dense_meta = subset_metadata(sampling, dense, dense_index)
+        dense_out = sampler(self.compute_logits(hidden[dense_index]), dense_meta)
+        sampled = torch.empty(num_rows, dtype=torch.int64, device=hidden.device)
+        sampled[fast_index] = fast_out.sampled_token_ids
+        sampled[dense_index] = dense_out.sampled_token_ids.to(torch.int64)
+        return SamplerOutput(sampled_token_ids=sampled)
+
+    def _sample_fast(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
+        if sampling.all_greedy:
+            return SamplerOutput(sampled_token_ids=self.greedy(hidden))
+        token_ids, logits = self.candidates(hidden, sampling)
+        chosen = sampler(logits, sampling).sampled_token_ids
+        return SamplerOutput(sampled_token_ids=token_ids.gather(1, chosen.unsqueeze(1).to(torch.int64)).squeeze(1))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "clusters": self.num_clusters, "cluster_size": self.cluster_size,
+                "probes": self.probes, "stage1_dtype": str(self.stage1_dtype).removeprefix("torch."),
+                "max_fast_batch": "all" if self.max_fast_batch is None else self.max_fast_batch,
+                "asset": self.asset_path}
+
+    def usage(self) -> dict[str, int]:
+        return {"rows_fast": self.rows_fast, "rows_dense": self.rows_dense}

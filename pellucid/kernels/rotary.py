@@ -1,0 +1,72 @@
+"""Rotary embedding (neox / HF rotate_half layout) applied in place to query and key in one launch.
+
+One program per token rotates all its query and key heads, reading cos/sin for the token's position
+straight from the [2, max_positions, head_dim] float32 table. Rounding follows the torch code:
+cos/sin are rounded to the activation dtype, each product is rounded, then the sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_t, stride_h, token, num_heads, cos, sin, offs_h, offs_d, d_mask,
+                  HALF: tl.constexpr):
+    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
+    base = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    # out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin, each product rounded to the activation dtype
+    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-(x2 * sin)).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(base, out1.to(dtype), mask=mask)
+    tl.store(base + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
+                   stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs_kind, stride_cs_pos,
+                   num_q_heads, num_k_heads,
+                   HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + stride_cs_kind + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
+    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, stride_q_t, stride_q_h, token, num_q_heads, cos, sin, tl.arange(0, BLOCK_HQ), offs_d,
+                  d_mask, HALF)
+    _rotate_heads(k_ptr, stride_k_t, stride_k_h, token, num_k_heads, cos, sin, tl.arange(0, BLOCK_HK), offs_d,
+                  d_mask, HALF)
+
+
+def rotary_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> None:
+    """Rotate query [T, heads, D] and key [T, kv_heads, D] in place at positions [T].
+
+    cos_sin_cache: [2, max_positions, D] float32 (row 0 cos, row 1 sin; both halves equal).
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} do not fit rotary")
+    if query.dtype != key.dtype or query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("rotary_inplace needs query and key of one dtype with the head dim contiguous")
+    if cos_sin_cache.stride(-1) != 1 or positions.shape[0] < num_tokens:
+        raise ValueError("rotary_inplace needs a contiguous cos/sin table and one position per token")
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        query, key, cos_sin_cache, positions,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        cos_sin_cache.stride(0), cos_sin_cache.stride(1), num_q_heads, key.shape[1],
+        HALF=half, BLOCK_D=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(key.shape[1]),
+        num_warps=4)

@@ -1,0 +1,200 @@
+"""CUDA graphs for decode-only steps: one captured model forward per batch size, padded to the next one.
+
+A graph replays fixed device addresses, so every input lives in a persistent device buffer: the
+StepBuffers device tensors (token ids, positions, request map, slot mapping, query starts, sequence
+lengths, block table) and the attention backend's metadata built once at capture. A replayed step
+only refreshes those buffers (build_step_batch's one non-blocking copy) and launches the graph.
+
+Padding: a decode batch of n requests runs the graph of the smallest captured size B >= n with B - n
+dummy requests of one token each, slot -1 (no cache write) and seq_len 0 (attention returns zeros for
+them, never NaN). The split count of split-KV decode is captured with max_seq_len = max_model_len, the
+longest length a replay can serve.
+
+A step runs eagerly when it has a prefill row, more requests than the largest graph, a traced request
+whose ops are not all tracing taps (or any request extras key registered with
+`require_eager_for_extras_key`), or when the model keeps recurrent state (its per-request state
+indexing is built per step). A traced step whose ops are all taps replays a variant captured with
+those taps (`ensure_variant`, keyed by size and tapped targets, captured lazily, capped).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Hashable
+
+import numpy as np
+import torch
+
+from pellucid.attention.metadata import CommonAttentionMetadata, ForwardContext, forward_context
+from pellucid.engine.scheduler_output import SchedulerOutput
+from pellucid.logger import get_logger
+from pellucid.runner.buffers import StepBuffers
+
+logger = get_logger(__name__)
+
+# request.extras keys whose feature needs the eager forward (hooks, per-step host work inside the model).
+_EAGER_EXTRAS_KEYS: set[str] = {"trace"}
+# Graph variants captured with tracing taps (per batch size and tapped targets); more run eagerly.
+MAX_TAP_VARIANTS = 16
+
+
+def require_eager_for_extras_key(key: str) -> None:
+    """Steps holding a request with `key` in its extras run eagerly (a feature that hooks the forward)."""
+    _EAGER_EXTRAS_KEYS.add(key)
+
+
+def default_graph_sizes(max_num_reqs: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8, up to and including max_num_reqs (as vLLM does)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_num_reqs] + list(range(8, max_num_reqs + 1, 8))
+    if max_num_reqs not in sizes:
+        sizes.append(max_num_reqs)
+    return sizes
+
+
+def graphs_unavailable_reason(device: torch.device, enforce_eager: bool, backend: Any,
+                              has_recurrent_state: bool) -> str | None:
+    """Why this runner must run every step eagerly, or None when decode graphs can be used."""
+    if device.type != "cuda":
+        return "not on a CUDA device"
+    if enforce_eager:
+        return "enforce_eager=True"
+    if not getattr(backend, "supports_cuda_graphs", False):
+        return f"attention backend {backend.name!r} does not declare supports_cuda_graphs"
+    if has_recurrent_state:
+        return "the model keeps per-request recurrent state, indexed per step"
+    return None
+
+
+@dataclass
+class _CapturedGraph:
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor             # [size, hidden] written by every replay
+    context: ForwardContext          # keeps the backend metadata (split workspaces) alive
+
+
+class DecodeCudaGraphs:
+    """Captures and replays the model forward of decode-only steps for a set of batch sizes."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, buffers: StepBuffers, block_size: int,
+                 max_model_len: int, sizes: list[int]) -> None:
+        limit = min(buffers.max_num_reqs, buffers.max_num_tokens)
+        bad = [s for s in sizes if s < 1 or s > limit]
+        if bad:
+            raise ValueError(f"cuda_graph_sizes {bad} are outside 1..{limit} (max_num_seqs / token budget)")
+        self.model = model
+        self.backend = backend
+        self.buffers = buffers
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.sizes = sorted(set(sizes))
+        self._graphs: dict[int, _CapturedGraph] = {}
+        self._pool: Any = None
+        self.num_replays = 0                 # counters for tests and benchmarks
+        self.replayed_sizes: set[int] = set()
+        # ---- tracing tap variants (begin; pellucid/tracing/taps.py) ----
+        # (size, tap key) -> a graph captured with the step's tap hooks, captured on first use.
+        self._tap_graphs: dict[tuple[int, Hashable], _CapturedGraph] = {}
+        self.max_tap_variants = MAX_TAP_VARIANTS
+        self._refused_tap_keys: set[Hashable] = set()
+        self.num_tap_replays = 0
+        # ---- tracing tap variants (end) ----
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1] if self._graphs else 0
+
+    def size_for(self, so: SchedulerOutput, handled_extras_keys: Collection[str] = ()) -> int | None:
+        """The captured size to replay for this step, or None when it must run eagerly.
+        `handled_extras_keys`: eager-only extras keys the caller serves with a graph variant (tracing taps)."""
+        num_reqs = so.num_reqs
+        if not self._graphs or num_reqs == 0 or num_reqs > self.sizes[-1]:
+            return None
+        if so.total_num_scheduled_tokens != num_reqs:
+            return None      # a prefill or chunked-prefill row
+        for req in so.requests:
+            if req.extras and not _EAGER_EXTRAS_KEYS.isdisjoint(set(req.extras) - set(handled_extras_keys)):
+                return None
+        index = int(np.searchsorted(self.sizes, num_reqs))
+        return self.sizes[index]
+
+    @torch.inference_mode()
+    def capture(self, kv_caches: list[torch.Tensor]) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        if self._graphs:
+            raise RuntimeError("CUDA graphs were already captured for this runner")
+        self._pool = torch.cuda.graph_pool_handle()
+        reserved_before = torch.cuda.memory_reserved()
+        for size in reversed(self.sizes):
+            self._graphs[size] = self._capture_one(size, kv_caches)
+        self.buffers.invalidate_rows()
+        used = (torch.cuda.memory_reserved() - reserved_before) / 2**20
+        logger.info("captured CUDA graphs for decode batch sizes %s (%.0f MiB)", self.sizes, used)
+
+    def _capture_one(self, size: int, kv_caches: list[torch.Tensor],
+                     hooks: Callable[[int], Any] | None = None) -> _CapturedGraph:
+        bufs = self.buffers
+        bufs.input_ids.np[:size] = 0
+        bufs.positions.np[:size] = 0
+        bufs.token_to_req.np[:size] = np.arange(size, dtype=np.int32)
+        bufs.slot_mapping.np[:size] = -1
+        bufs.query_start_loc.np[:size + 1] = np.arange(size + 1, dtype=np.int32)
+        bufs.seq_lens.np[:size] = 0
+        bufs.num_computed_tokens.np[:size] = 0
+        bufs.block_table.np[:size] = 0
+        common = CommonAttentionMetadata(
+            num_reqs=size, num_tokens=size, max_query_len=1, max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+            query_start_loc=bufs.query_start_loc.to_device(size + 1),
+            seq_lens=bufs.seq_lens.to_device(size),
+            num_computed_tokens=bufs.num_computed_tokens.to_device(size),
+            block_table=bufs.block_table.to_device(size),
+            slot_mapping=bufs.slot_mapping.to_device(size),
+            query_start_loc_cpu=bufs.query_start_loc.cpu[:size + 1],
+            seq_lens_cpu=bufs.seq_lens.cpu[:size],
+            num_computed_tokens_cpu=bufs.num_computed_tokens.cpu[:size],
+            block_table_cpu=bufs.block_table.cpu[:size],
+        )
+        input_ids = bufs.input_ids.to_device(size)
+        context = ForwardContext(attn_metadata=common, backend=self.backend,
+                                 backend_metadata=self.backend.build_metadata(common), kv_caches=kv_caches,
+                                 positions=bufs.positions.to_device(size),
+                                 token_to_req=bufs.token_to_req.to_device(size))
+        with forward_context(context), (hooks(size) if hooks is not None else contextlib.nullcontext()):
+            for _ in range(2):      # compile the Triton kernels and warm the allocator outside the capture
+                self.model(input_ids)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                output = self.model(input_ids)
+        return _CapturedGraph(graph, output, context)
+
+    # ---- tracing tap variants (begin) ----
+    @torch.inference_mode()
+    def ensure_variant(self, size: int, key: Hashable, hooks: Callable[[int], Any],
+                       kv_caches: list[torch.Tensor]) -> bool:
+        """Make sure a graph of `size` captured under `hooks(size)` (a context manager installing the
+        tap hooks) exists for `key`; False (run eagerly) when that would exceed max_tap_variants.
+        Call before the step's batch is built: capturing overwrites the step buffers."""
+        if (size, key) in self._tap_graphs:
+            return True
+        if len(self._tap_graphs) >= self.max_tap_variants:
+            if key not in self._refused_tap_keys:
+                self._refused_tap_keys.add(key)
+                logger.info("traced steps with taps %s run eagerly: %d tap graph variants are captured already "
+                            "(the cap)", key, len(self._tap_graphs))
+            return False
+        self._tap_graphs[(size, key)] = self._capture_one(size, kv_caches, hooks)
+        self.buffers.invalidate_rows()
+        logger.info("captured a CUDA graph for decode batch size %d with tracing taps %s", size, key)
+        return True
+    # ---- tracing tap variants (end) ----
+
+    def replay(self, size: int, tap_key: Hashable = ()) -> torch.Tensor:
+        """Run the graph of `size` (captured with the taps of `tap_key`, if any); its inputs must already
+        be in the buffers. Returns [size, hidden]."""
+        captured = self._tap_graphs[(size, tap_key)] if tap_key else self._graphs[size]
+        self.num_tap_replays += bool(tap_key)
+        captured.graph.replay()
+        self.num_replays += 1
+        self.replayed_sizes.add(size)
+        return captured.output

@@ -1,0 +1,509 @@
+"""The OpenAI-compatible FastAPI app over an AsyncLLM.
+
+Request bodies are parsed by hand (not by FastAPI's validation) so every refusal is an OpenAI-style
+error body with the right status: 400 for bad input, 401 for a bad API key, 404 for an unknown
+model, 500 when one request fails inside the engine (the server keeps serving), 503 when the engine
+is down. A client that disconnects, streaming or not, aborts its requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+import pellucid
+from pellucid.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from pellucid.extraction.http import ExtractionRequest, ServerExtraction
+from pellucid.logger import get_logger
+from pellucid.outputs import RequestOutput
+from pellucid.sampling_params import SamplingParams
+from pellucid.server.metrics import RequestTimer, ServerMetrics, log_stats_periodically
+from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice,
+                                      CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
+                                      DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
+                                      ModelList, ProtocolError, TokenizeRequest, TokenizeResponse,
+                                      chat_template_messages, new_id, validation_error)
+from pellucid.server.responses import ChoiceTracker, chat_logprobs, completion_logprobs
+from pellucid.tokenizer import apply_chat_template
+from pellucid.tracing.http import trace_extras, with_saves
+
+logger = get_logger(__name__)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def error_response_body(error: ProtocolError) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=error.message, type=error.error_type, param=error.param,
+                                         code=error.code if error.code is not None else error.status)).model_dump()
+
+
+def error_response(error: ProtocolError) -> JSONResponse:
+    return JSONResponse(error_response_body(error), status_code=error.status)
+
+
+def _internal_error(message: str) -> ProtocolError:
+    return ProtocolError(message, status=500, error_type="internal_server_error")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was complete."""
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that always closes its body generator, so a broken connection aborts the request."""
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServer:
+    """Routes and per-request plumbing; one instance per app."""
+
+    def __init__(self, llm: AsyncLLM, served_model_name: str, api_key: str | None,
+                 extract_dir: str | None = None) -> None:
+        self.llm = llm
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.tokenizer = llm.tokenizer
+        self.metrics = ServerMetrics(served_model_name)
+        # ---- LM head visibility (begin) ----
+        self.lm_head = llm_lm_head(llm)
+        self.metrics.set_lm_head(self.lm_head.describe())
+        # ---- LM head visibility (end) ----
+        self.extraction = ServerExtraction(llm, extract_dir)   # the extract_hidden_states field
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    async def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+            raise ProtocolError("invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                status=401, error_type="authentication_error", code="invalid_api_key")
+
+    async def parse(self, request: Request, model: type[ModelT]) -> ModelT:
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ProtocolError("request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from exc
+
+    def trace_extras(self, body: Any) -> dict[str, Any] | None:
+        """Engine extras for the request's `interventions` (pellucid/tracing/http.py); None without them."""
+        if body.interventions is not None and body.stream:
+            raise ProtocolError("interventions are not supported with stream=true (saves come with the final "
+                                "response); send a non-streaming request", param="interventions")
+        try:
+            return trace_extras(body.interventions, body.n)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="interventions") from exc
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ProtocolError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                                param="model", status=404, code="model_not_found")
+
+    async def add_all(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
+                      param: str, extras: dict[str, Any] | None = None) -> list[RequestStream]:
+        """Queue one engine request per prompt; if any is refused, abort the ones already queued."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.llm.add_request(prompt, params, rid, extras=extras))
+        except ValueError as exc:
+            for stream in streams:
+                stream.cancel()
+            raise ProtocolError(str(exc), param=param) from exc
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return streams
+
+    async def merged(self, streams: list[RequestStream], timer: RequestTimer,
+                     tracker: ChoiceTracker) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all streams as they arrive, as (prompt index, output); an error ends the response.
+
+        Outputs are cumulative, so only the newest unread one per prompt is kept: a slow client
+        costs no memory, it just receives bigger deltas.
+        """
+        newest: dict[int, RequestOutput] = {}
+        failures: list[BaseException] = []
+        ended: set[int] = set()
+        wake = asyncio.Event()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    newest[index] = output
+                    wake.set()
+            except Exception as exc:
+                failures.append(exc)
+            finally:
+                ended.add(index)
+                wake.set()
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            while newest or len(ended) < len(streams):
+                await wake.wait()
+                wake.clear()
+                if failures:
+                    raise failures[0]
+                batch = sorted(newest.items())
+                newest.clear()
+                for index, output in batch:
+                    yield index, output
+                    timer.observe(tracker.num_generated)
+                    if output.finished:
+                        for completion in output.outputs:
+                            timer.finish(completion.finish_reason or "unknown")
+            if failures:
+                raise failures[0]
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                stream.cancel()
+
+    async def until_disconnect(self, request: Request, work: Awaitable[Any]) -> Any:
+        """Run `work`, cancelling it (and so aborting its requests) if the client disconnects."""
+        task = asyncio.ensure_future(work)
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            watcher.cancel()
+            raise
+        watcher.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
+
+    def chat_prompt(self, request: ChatCompletionRequest | TokenizeRequest, messages: list[Any],
+                    continue_final: bool = False) -> list[int]:
+        turns = chat_template_messages(messages)
+        kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+        if continue_final:
+            kwargs["continue_final_message"] = True
+        try:
+            return apply_chat_template(self.tokenizer, turns, request.add_generation_prompt, **kwargs)
+        except ValueError as exc:
+            raise ProtocolError(f"cannot apply the chat template: {exc}", param="messages") from exc
+        except Exception as exc:  # jinja template errors (e.g. a template that rejects a role order)
+            raise ProtocolError(f"the chat template failed on these messages: {exc}", param="messages") from exc
+
+    # ---- /v1/completions ------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        timer = RequestTimer(self.metrics)
+        body = await self.parse(request, CompletionRequest)
+        self.check_model(body.model)
+        body.check_unsupported()
+        prompts = body.prompts()
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        request_id = new_id("cmpl")
+        extras = self.trace_extras(body)
+        extraction = self.extraction_request(body)
+        streams = await self.add_all(prompts, params, request_id, param="prompt", extras=extras)
+        echo = [self._prompt_text(p) if body.echo else "" for p in prompts]
+        tracker = ChoiceTracker(n=body.n)
+        if body.stream:
+            return _EventStream(self._completion_events(body, request_id, streams, tracker, timer, echo))
+        final_outputs: dict[int, RequestOutput] = {}
+        finals = await self.until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
+        choices = []
+        for index in sorted(tracker.finals):
+            completion = finals[index]
+            prefix = echo[index // body.n]
+            logprobs = (completion_logprobs(completion, 0, body.logprobs, len(prefix))
+                        if body.logprobs is not None else None)
+            choices.append(CompletionChoice(index=index, text=prefix + completion.text, logprobs=logprobs,
+                                            finish_reason=completion.finish_reason,
+                                            stop_reason=completion.stop_reason))
+        response = with_saves(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                                 usage=tracker.usage()).model_dump(), final_outputs)
+        if extraction is not None:
+            await self.until_disconnect(request, self.add_hidden_states(extraction, request_id, response,
+                                                                        final_outputs, body.n))
+        return JSONResponse(response)
+
+    # ---- hidden-state extraction (pellucid/extraction/http.py) -----------------------------------
+    def extraction_request(self, body: CompletionRequest) -> ExtractionRequest | None:
+        try:
+            return self.extraction.parse(body.extract_hidden_states, body.stream, body.interventions is not None)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="extract_hidden_states") from exc
+
+    async def add_hidden_states(self, extraction: ExtractionRequest, request_id: str, response: dict[str, Any],
+                                final_outputs: dict[int, RequestOutput], n: int) -> None:
+        """Run the extraction pass for every choice and add its `hidden_states` field."""
+        for choice in response["choices"]:
+            output = final_outputs[choice["index"] // n]
+            completion = output.outputs[choice["index"] % n]
+            try:
+                choice["hidden_states"] = await self.extraction.extract(
+                    extraction, output.prompt_token_ids, completion.token_ids, f"{request_id}-{choice['index']}")
+            except ValueError as exc:
+                raise ProtocolError(str(exc), param="extract_hidden_states") from exc
+    # ---- hidden-state extraction (end) -----------------------------------------------------------
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    async def _collect(self, streams: list[RequestStream], tracker: ChoiceTracker, timer: RequestTimer,
+                       final_outputs: dict[int, RequestOutput] | None = None) -> dict[int, Any]:
+        async with contextlib.aclosing(self.merged(streams, timer, tracker)) as outputs:
+            async for index, output in outputs:
+                tracker.update(index, output)
+                if final_outputs is not None and output.finished:
+                    final_outputs[index] = output
+        return tracker.finals
+
+    async def _completion_events(self, body: CompletionRequest, request_id: str, streams: list[RequestStream],
+                                 tracker: ChoiceTracker, timer: RequestTimer, echo: list[str]) -> AsyncIterator[str]:
+        def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
+            return CompletionResponse(id=request_id, model=self.model_name, choices=choices)
+
+        try:
+            if body.echo:
+                yield _sse(chunk([CompletionChoice(index=i * body.n + j, text=echo[i])
+                                  for i in range(len(streams)) for j in range(body.n)]))
+            async with contextlib.aclosing(self.merged(streams, timer, tracker)) as outputs:
+                async for index, output in outputs:
+                    choices = [CompletionChoice(
+                        index=delta.index, text=delta.text,
+                        logprobs=(completion_logprobs(delta.output, delta.token_start, body.logprobs, delta.text_start)
+                                  if body.logprobs is not None else None),
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.output.stop_reason if delta.finish_reason else None)
+                        for delta in tracker.update(index, output)]
+                    if choices:
+                        yield _sse(chunk(choices))
+            if body.include_usage_in_stream:
+                final = chunk([])
+                final.usage = tracker.usage()
+                yield _sse(final)
+        except Exception as exc:
+            yield _sse(error_response_body(self._stream_error(exc)))
+        yield "data: [DONE]\n\n"
+
+    def _stream_error(self, exc: Exception) -> ProtocolError:
+        """An error after the stream started goes into the stream, since the status line is already sent."""
+        self.metrics.request_failed()
+        if isinstance(exc, EngineDeadError):
+            return ProtocolError(str(exc), status=503, error_type="service_unavailable")
+        if not isinstance(exc, RequestFailedError):
+            logger.exception("streaming response failed")
+        return _internal_error(str(exc))
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        timer = RequestTimer(self.metrics)
+        body = await self.parse(request, ChatCompletionRequest)
+        self.check_model(body.model)
+        body.check_unsupported()
+        prompt_ids = self.chat_prompt(body, body.messages, body.continue_final_message)
+        top_logprobs = body.num_logprobs()
+        params = body.sampling_params(body.effective_max_tokens(), top_logprobs)
+        request_id = new_id("chatcmpl")
+        extras = self.trace_extras(body)
+        streams = await self.add_all([prompt_ids], params, request_id, param="messages", extras=extras)
+        tracker = ChoiceTracker(n=body.n)
+        if body.stream:
+            return _EventStream(self._chat_events(body, request_id, streams, tracker, timer, top_logprobs))
+        final_outputs: dict[int, RequestOutput] = {}
+        finals = await self.until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
+        choices = [ChatChoice(index=index, message=ChatResponseMessage(content=finals[index].text),
+                              logprobs=chat_logprobs(finals[index], 0, top_logprobs) if top_logprobs is not None else None,
+                              finish_reason=finals[index].finish_reason, stop_reason=finals[index].stop_reason)
+                   for index in sorted(finals)]
+        return JSONResponse(with_saves(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                                              usage=tracker.usage()).model_dump(), final_outputs))
+
+    async def _chat_events(self, body: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
+                           tracker: ChoiceTracker, timer: RequestTimer, top_logprobs: int | None) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
+
+        try:
+            yield _sse(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                              for i in range(body.n)]))
+            async with contextlib.aclosing(self.merged(streams, timer, tracker)) as outputs:
+                async for index, output in outputs:
+                    choices = [ChatStreamChoice(
+                        index=delta.index, delta=DeltaMessage(content=delta.text or None),
+                        logprobs=(chat_logprobs(delta.output, delta.token_start, top_logprobs)
+                                  if top_logprobs is not None else None),
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.output.stop_reason if delta.finish_reason else None)
+                        for delta in tracker.update(index, output)]
+                    if choices:
+                        yield _sse(chunk(choices))
+            if body.include_usage_in_stream:
+                final = chunk([])
+                final.usage = tracker.usage()
+                yield _sse(final)
+        except Exception as exc:
+            yield _sse(error_response_body(self._stream_error(exc)))
+        yield "data: [DONE]\n\n"
+
+    # ---- small endpoints ------------------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.parse(request, TokenizeRequest)
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ProtocolError("give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            tokens = self.chat_prompt(body, body.messages)
+            if body.add_special_tokens:
+                raise ProtocolError("add_special_tokens is not supported with messages (the chat template "
+                                    "decides the special tokens)", param="add_special_tokens")
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = list(self.tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"])
+        return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=self.llm.max_model_len,
+                                             tokens=tokens).model_dump())
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.parse(request, DetokenizeRequest)
+        self.check_model(body.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ProtocolError(f"tokens out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        return JSONResponse(DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens)).model_dump())
+
+    async def models(self) -> Response:
+        card = ModelCard(id=self.model_name, root=self.llm.config.model.model, max_model_len=self.llm.max_model_len)
+        listing = ModelList(data=[card]).model_dump()
+        listing["data"][0]["pellucid"] = {"lm_head": self.lm_head.describe()}   # which head serves this model
+        return JSONResponse(listing)
+
+    async def metrics_text(self) -> Response:
+        self.metrics.update_from_stats(self.llm.get_stats())
+        self.metrics.update_lm_head_usage(self.lm_head.usage())
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def llm_lm_head(llm: AsyncLLM) -> Any:
+    """The engine's LM head object (for /metrics and /v1/models). AsyncLLM exposes only its describe()
+    through engine_info(); the row counters need the object itself."""
+    return llm._core.runner.head
+
+
+def _guarded(server: OpenAIServer, handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
+    """Map every failure of one request to its OpenAI error response; nothing escapes to the server."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ProtocolError as exc:
+            return error_response(exc)
+        except ClientDisconnected:
+            logger.info("client disconnected from %s; its requests were aborted", request.url.path)
+            return Response(status_code=499)
+        except EngineDeadError as exc:
+            server.metrics.request_failed()
+            return error_response(ProtocolError(str(exc), status=503, error_type="service_unavailable"))
+        except RequestFailedError as exc:
+            server.metrics.request_failed()
+            return error_response(_internal_error(str(exc)))
+        except Exception as exc:
+            server.metrics.request_failed()
+            logger.exception("request to %s failed", request.url.path)
+            return error_response(_internal_error(f"internal error: {type(exc).__name__}: {exc}"))
+    return endpoint
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              log_stats_interval: float | None = None, extract_dir: str | None = None) -> FastAPI:
+    """The app; `log_stats_interval` > 0 logs a stats line that often while the app runs; `extract_dir` is
+    where `extract_hidden_states` with output "server" writes (None: inline only)."""
+    server = OpenAIServer(async_llm, served_model_name, api_key, extract_dir)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if log_stats_interval and log_stats_interval > 0:
+            task = asyncio.create_task(log_stats_periodically(async_llm.get_stats, server.metrics,
+                                                              log_stats_interval))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+            server.extraction.close()
+
+    app = FastAPI(title="Pellucid OpenAI-compatible server", version=pellucid.__version__, lifespan=lifespan)
+    app.state.openai_server = server
+
+    async def require_key(request: Request) -> None:
+        await server.check_api_key(request)
+
+    # The key check runs as a dependency; its ProtocolError must become a 401 body, not a 500.
+    async def protocol_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProtocolError)
+        return error_response(exc)
+
+    app.add_exception_handler(ProtocolError, protocol_error)
+
+    protected = APIRouter(dependencies=[Depends(require_key)])
+    protected.add_api_route("/v1/completions", _guarded(server, server.completions), methods=["POST"])
+    protected.add_api_route("/v1/chat/completions", _guarded(server, server.chat_completions), methods=["POST"])
+    protected.add_api_route("/tokenize", _guarded(server, server.tokenize), methods=["POST"])
+    protected.add_api_route("/detokenize", _guarded(server, server.detokenize), methods=["POST"])
+    protected.add_api_route("/v1/models", _guarded(server, lambda _request: server.models()), methods=["GET"])
+    app.include_router(protected)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_llm.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pellucid.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await server.metrics_text()
+
+    return app

@@ -1,0 +1,366 @@
+"""OpenAI-compatible request and response models (field names as OpenAI and vLLM spell them).
+
+Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep working;
+a known field with a value of the wrong type is a 400 that names the field.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pellucid.sampling_params import SamplingParams
+
+
+class ProtocolError(ValueError):
+    """A request the server refuses: becomes an OpenAI error body with this status and param."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.error_type = error_type
+        self.code = code
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Lenient):
+    """Fields shared by completions and chat, including vLLM's `extra_body` sampling extensions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions (sent by the openai client through extra_body)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Pellucid tracing: a list of JSON ops, checked by pellucid/tracing/http.py (docs/tracing.md)
+    interventions: Any = None
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise ProtocolError("logit_bias is not supported by this server", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; invalid values raise ProtocolError naming the field."""
+        try:
+            return SamplingParams(
+                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                min_p=self.min_p, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens)
+        except ValueError as exc:
+            message = str(exc)
+            # SamplingParams messages start with the offending field's name.
+            field = message.split(" ", 1)[0]
+            raise ProtocolError(message, param=field if field in type(self).model_fields else None) from exc
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    # Pellucid hidden-state extraction: {"layers": [...], "output": "inline" | "server"}, checked by
+    # pellucid/extraction/http.py (docs/extraction.md)
+    extract_hidden_states: Any = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: strings or token-id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ProtocolError("prompt must not be empty", param="prompt")
+        return prompts
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise ProtocolError("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ProtocolError("best_of different from n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ProtocolError("echo together with logprobs is not supported", param="echo")
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise ProtocolError(f"only text content parts are supported, got type {part.type!r}",
+                                    param=f"messages.{index}.content.{j}")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the tokenizer's chat template wants them; empty lists and unknown roles are errors."""
+    if not messages:
+        raise ProtocolError("messages must contain at least one message", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise ProtocolError(f"messages.{i}.role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
+                                param=f"messages.{i}.role")
+        entry = {"role": message.role, "content": message.text(i)}
+        if message.name:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ProtocolError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise ProtocolError("tools / function calling is not supported by this server", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ProtocolError("only response_format type 'text' is supported", param="response_format")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ProtocolError("add_generation_prompt and continue_final_message cannot both be true",
+                                param="continue_final_message")
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None       # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "pellucid"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field_name(part: str) -> bool:
+    # Field names are snake_case; union tags are type names ("str", "list[int]", "ContentPart").
+    return part.isidentifier() and part.islower() and part not in _TYPE_TAGS
+
+
+def validation_error(exc: ValidationError) -> ProtocolError:
+    """The first pydantic error as a ProtocolError whose message and param name the field."""
+    first = exc.errors()[0]
+    # Union members add their type name to the location ("prompt", "str"); keep field names and indices.
+    path = [str(p) for p in first["loc"] if isinstance(p, int) or _is_field_name(p)]
+    field = ".".join(path) if path else None
+    if first["type"] == "missing":
+        return ProtocolError(f"field '{field}' is required", param=field)
+    got = first.get("input")
+    got_text = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    return ProtocolError(f"invalid value for field '{field}': {first['msg']}{got_text}", param=field)

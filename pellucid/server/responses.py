@@ -1,0 +1,108 @@
+"""Engine outputs -> OpenAI response objects: choices, streamed deltas, logprobs, usage.
+
+One `ChoiceTracker` per response remembers how much of each choice was already sent, so the
+streamed and the non-streamed paths share the same bookkeeping (and the same numbers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pellucid.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pellucid.server.protocol import (ChatLogprobToken, ChatLogprobs, CompletionLogprobs, TopLogprob,
+                                      UsageInfo)
+
+
+def _top(position: PositionLogprobs, k: int) -> list[tuple[int, float, str]]:
+    """The k most likely alternatives at a position, best first, as (token id, logprob, text)."""
+    ranked = sorted((entry.rank, tid, entry) for tid, entry in position.items() if entry.rank <= k)
+    return [(tid, entry.logprob, entry.decoded_token or "") for _, tid, entry in ranked]
+
+
+def completion_logprobs(output: CompletionOutput, start: int, k: int, text_offset: int) -> CompletionLogprobs:
+    """Legacy completions logprobs for output positions [start:], offsets counted from text_offset."""
+    result = CompletionLogprobs()
+    positions = output.logprobs or []
+    for tid, position in zip(output.token_ids[start:], positions[start:]):
+        chosen = position[tid]
+        token = chosen.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob)
+        # As vLLM does, the sampled token is listed with the top alternatives.
+        top = {token: chosen.logprob}
+        top.update({text: lp for _, lp, text in _top(position, k)})
+        result.top_logprobs.append(top)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+def chat_logprobs(output: CompletionOutput, start: int, k: int) -> ChatLogprobs:
+    """Chat logprobs (`logprobs.content`) for output positions [start:]."""
+    result = ChatLogprobs()
+    positions = output.logprobs or []
+    for tid, position in zip(output.token_ids[start:], positions[start:]):
+        chosen = position[tid]
+        token = chosen.decoded_token or ""
+        result.content.append(ChatLogprobToken(
+            token=token, logprob=chosen.logprob, bytes=list(token.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+                          for _, lp, text in _top(position, k)]))
+    return result
+
+
+@dataclass
+class ChoiceProgress:
+    text_sent: int = 0          # characters of text already sent
+    tokens_sent: int = 0        # output positions already sent (logprobs)
+    finished: bool = False
+
+
+@dataclass
+class Delta:
+    """What is new in one choice since the last time it was sent."""
+    index: int
+    output: CompletionOutput
+    text: str
+    token_start: int                # first output position not sent before
+    text_start: int                 # characters of this choice sent before
+    finish_reason: str | None
+
+
+@dataclass
+class ChoiceTracker:
+    """Progress of every choice of one response. Choice index = prompt index * n + sequence index."""
+
+    n: int
+    progress: dict[int, ChoiceProgress] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    finals: dict[int, CompletionOutput] = field(default_factory=dict)
+
+    def update(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        deltas = []
+        for completion in output.outputs:
+            index = prompt_index * self.n + completion.index
+            progress = self.progress.setdefault(index, ChoiceProgress())
+            self.completion_tokens[index] = len(completion.token_ids)
+            self.finals[index] = completion
+            if progress.finished:
+                continue
+            new_text = completion.text[progress.text_sent:]
+            finish = completion.finish_reason
+            if not new_text and finish is None:
+                continue
+            deltas.append(Delta(index, completion, new_text, progress.tokens_sent, progress.text_sent, finish))
+            progress.text_sent = len(completion.text)
+            progress.tokens_sent = len(completion.token_ids)
+            progress.finished = finish is not None
+        return deltas
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.completion_tokens.values())
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        completion = self.num_generated
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -1,0 +1,105 @@
+"""`pellucid serve MODEL`: the OpenAI-compatible server on uvicorn, with a startup banner and stats log."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from pellucid.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+from pellucid.logger import get_logger
+
+logger = get_logger(__name__)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    parser.add_argument("model", help="HuggingFace-format model directory, or 'default' for the embedded "
+                                      "random-weight default model")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=8000, help="port to bind")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients must send (default: the MODEL argument)")
+    g.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between stats log lines (0 disables)")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before "
+                        "they are aborted")
+    g.add_argument("--extract-dir", default=None,
+                   help="directory where extract_hidden_states requests with output 'server' are written "
+                        "(clients never choose a path; without it only output 'inline' is accepted)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(parser)
+    parser.set_defaults(func=run_server)
+    return parser
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from pellucid.engine.async_llm import AsyncLLM
+    from pellucid.server.app import build_app
+
+    model = args.model
+    if model == "default":
+        from pellucid.default_model import ensure_default_model
+        model = ensure_default_model()
+        logger.warning("serving the embedded default model: RANDOM WEIGHTS, NOT TRAINED - its text is gibberish")
+    served_name = args.served_model_name or args.model
+    llm = AsyncLLM(model, served_model_name=served_name, **engine_kwargs_from_args(args))
+    try:
+        log_banner(llm, args)
+        app = build_app(llm, served_name, api_key=args.api_key, log_stats_interval=args.log_stats_interval,
+                        extract_dir=args.extract_dir)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+        server = _GracefulServer(config)
+        server.run()
+    finally:
+        # Whatever uvicorn left running is aborted here, so every KV block is returned before exit.
+        llm.shutdown()
+    if not server.started:
+        logger.error("the server did not start (see the error above)")
+        return 1
+    logger.info("server stopped")
+    return 0
+
+
+def log_banner(llm: Any, args: argparse.Namespace) -> None:
+    info = llm.engine_info()
+    features = ", ".join(f"{name}={value}" for name, value in info["features"].items())
+    logger.info("Pellucid %s serving %r (from %s) on http://%s:%d", info["version"], llm.model_name,
+                llm.config.model.model, args.host, args.port)
+    logger.info("model: dtype=%s device=%s max_model_len=%d", info["dtype"], info["device"], llm.max_model_len)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", info["num_blocks"], info["block_size"],
+                info["num_blocks"] * info["block_size"])
+    logger.info("features: %s; API key %s", features, "required" if args.api_key else "not required")
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's Server, minus re-raising the caught signal after shutdown (which would exit non-zero).
+
+    A SIGINT/SIGTERM stops accepting connections, lets in-flight requests finish for up to the
+    graceful timeout, then closes the rest (their requests are aborted) and returns normally.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+        if self._captured_signals:
+            logger.info("received %s; shut down gracefully",
+                        ", ".join(signal.Signals(s).name for s in self._captured_signals))

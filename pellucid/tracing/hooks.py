@@ -1,0 +1,289 @@
+"""Runs trace ops inside a batched step: each op on its own request's rows, for this step only.
+
+The runner builds a StepTrace for a step whose batch holds traced requests (None otherwise, so an
+untraced step pays nothing). At each addressed (site, point), the ops that are tap-expressible
+(save, set, add, scale, zero, mean ablation; taps.py) run as one vectorised tap over every row of the
+batch; the rest (`apply`, unusual compositions) run per request on that request's rows. A step whose
+module targets are all taps can replay a CUDA graph captured with those taps (`graph_key`); any
+other traced step runs eagerly with forward hooks on exactly the addressed modules for its one
+forward. The logits / tokens parts run around the LM head and sampler.
+
+Rows: request r owns rows query_start_loc[r]:query_start_loc[r+1] of every flat [num_tokens, ...]
+activation, at consecutive positions from its computed-token count. An op touches the rows whose
+positions it selects, whatever the tensor's shape beyond the first dim; rows past num_tokens
+(padding) are never touched. Edits go to a copy of the activation that the hook returns, so no other
+consumer of the original tensor sees them; saves are copies, never views.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from pellucid.logger import get_logger
+from pellucid.tracing.ops import LOGITS, TOKENS
+from pellucid.tracing.plan import TRACE_KEY, TracePlan
+from pellucid.tracing.taps import (Target, TapRuntime, TapUser, TargetTap, build_program, captured_tap,
+                                   install_hooks)
+
+logger = get_logger(__name__)
+
+_MODULES: "weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]]" = weakref.WeakKeyDictionary()
+_warned_heads: set[str] = set()
+
+
+@dataclass
+class _Traced:
+    """One traced request of the step and where its rows are."""
+
+    plan: TracePlan
+    row_start: int
+    num_rows: int
+    first_position: int
+    sample_index: int | None        # its row among the step's sampling rows, if it samples
+
+    def selection(self, op_index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, ranks) of this step's rows that the op selects; ranks index the op's selection."""
+        selected = self.plan.selected[op_index]
+        lo = int(np.searchsorted(selected, self.first_position))
+        hi = int(np.searchsorted(selected, self.first_position + self.num_rows))
+        return selected[lo:hi], np.arange(lo, hi)
+
+
+def _modules_of(model: nn.Module) -> dict[str, nn.Module]:
+    modules = _MODULES.get(model)
+    if modules is None:
+        modules = dict(model.named_modules())
+        _MODULES[model] = modules
+    return modules
+
+
+class StepTrace:
+    def __init__(self, model: nn.Module, traced: list[_Traced], sample_rows: np.ndarray, num_tokens: int,
+                 runtime: TapRuntime) -> None:
+        self.model = model
+        self.traced = traced
+        self.sample_rows = sample_rows          # batch row of each sampling request, in sampling order
+        self.num_tokens = num_tokens
+        self.runtime = runtime
+        self.sampling_logits: torch.Tensor | None = None
+        self.taps: dict[Target, TargetTap] = {}
+        self.per_request: dict[Target, list[_Traced]] = {}
+        self._graph = False
+        self._split_targets()
+
+    @classmethod
+    def for_step(cls, so: Any, model: nn.Module, runtime: TapRuntime) -> "StepTrace | None":
+        """The step's trace, or None when no request in the batch is traced (or all traces failed)."""
+        traced: list[_Traced] = []
+        sample_index = 0
+        row = 0
+        sample_rows = []
+        for request, samples, n, computed in zip(so.requests, so.samples, so.num_scheduled_tokens,
+                                                 so.num_computed_tokens):
+            if samples:
+                sample_rows.append(row + n - 1)
+            plan = request.extras.get(TRACE_KEY) if request.extras else None
+            if plan is not None:
+                if not isinstance(plan, TracePlan) or not plan.bound:
+                    raise RuntimeError(f"request {request.request_id} carries a trace that was not prepared; "
+                                       f"add traced requests through EngineCore.add_request")
+                if not plan.failed:
+                    traced.append(_Traced(plan, row, n, computed, sample_index if samples else None))
+            sample_index += int(samples)
+            row += n
+        if not traced:
+            return None
+        return cls(model, traced, np.asarray(sample_rows, dtype=np.int64), row, runtime)
+
+    def _split_targets(self) -> None:
+        """Per addressed module target: the requests that run as a tap, and those that run per request."""
+        users: dict[Target, list[TapUser]] = {}
+        for t in self.traced:
+            plan = t.plan
+            for target in plan.module_targets():
+                if plan.failed:
+                    break
+                if target not in plan.tap_programs:
+                    try:
+                        plan.tap_programs[target] = build_program(plan, target, plan.limit)
+                    except ValueError as exc:     # a value that does not fit the site: this request fails
+                        plan.fail(getattr(exc, "op_index", plan.ops_at(*target)[0]), exc)
+                        break
+                program = plan.tap_programs[target]
+                if program is None:
+                    self.per_request.setdefault(target, []).append(t)
+                else:
+                    users.setdefault(target, []).append(TapUser(plan, program, t.row_start, t.num_rows,
+                                                                t.first_position))
+        for target, tap_users in users.items():
+            live = [u for u in tap_users if not u.plan.failed]
+            if live:
+                site = live[0].plan.sites[live[0].plan.ops_at(*target)[0]]
+                self.taps[target] = TargetTap(target, site.shape, site.dtype, live)
+        self.per_request = {k: [t for t in v if not t.plan.failed] for k, v in self.per_request.items()}
+        self.per_request = {k: v for k, v in self.per_request.items() if v}
+
+    # ---- CUDA graphs ------------------------------------------------------------------------------
+    @property
+    def graph_key(self) -> tuple[Any, ...] | None:
+        """What a graph replaying this step must have captured (the tapped targets and what each
+        does), or None when some op needs the per-request path (eager only). () means no module tap."""
+        if self.per_request:
+            return None
+        return tuple(sorted((target, tap.flags) for target, tap in self.taps.items()))
+
+    def capture_hooks(self, size: int) -> Any:
+        """Context manager for capturing a graph of `size` rows with this step's taps (static buffers)."""
+        runs = {}
+        for target, tap in self.taps.items():
+            static = self.runtime.static_buffers(target, tap.shape, tap.dtype)
+            runs[target] = captured_tap(static, size, tap.flags)
+        return install_hooks(_modules_of(self.model), runs, lambda target, x: runs[target](x))
+
+    def prepare(self, num_rows: int, graph: bool) -> None:
+        """Fill the taps for this step's `num_rows` rows: fresh tensors when eager, the static buffers a
+        captured graph reads when `graph`. Call after the batch is built, before the forward."""
+        self._graph = graph
+        for target, tap in self.taps.items():
+            static = self.runtime.static_buffers(target, tap.shape, tap.dtype) if graph else None
+            tap.prepare(self.runtime, num_rows, static)
+
+    def after_replay(self) -> None:
+        """Copy the saved rows out of the static buffers the replayed graph wrote."""
+        for target, tap in self.taps.items():
+            tap.collect_static(self.runtime.static[target])
+
+    # ---- module sites (eager) -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """Hooks on the addressed modules for the duration of one eager forward."""
+        targets = {**{t: None for t in self.taps}, **{t: None for t in self.per_request}}
+
+        def run(target: Target, x: torch.Tensor) -> torch.Tensor | None:
+            out = x
+            tap = self.taps.get(target)
+            if tap is not None:
+                out = tap.apply(x)
+            users = self.per_request.get(target)
+            if users:
+                new = self._run_ops(target[0], target[1], out, users)
+                out = out if new is None else new
+            return None if out is x else out
+        with install_hooks(_modules_of(self.model), targets, run):
+            yield
+
+    def _run_ops(self, site: str, point: str, x: torch.Tensor, users: list[_Traced],
+                 index_of_row: np.ndarray | None = None, copy_on_edit: bool = True) -> torch.Tensor | None:
+        """Apply each user's ops at (site, point) to its own rows of x. Returns the edited copy, or None
+        when nothing was edited. `index_of_row` maps batch rows to rows of x when x holds only some rows."""
+        result = x
+        edited = False
+        for t in users:
+            plan = t.plan
+            if plan.failed:
+                continue
+            op_index = -1
+            try:
+                for op_index in plan.ops_at(site, point):
+                    op = plan.ops[op_index]
+                    positions, ranks = t.selection(op_index)
+                    if positions.size == 0:
+                        continue
+                    rows = positions - t.first_position + t.row_start
+                    if index_of_row is not None:
+                        rows = index_of_row[rows]
+                    index = _row_index(rows, result.device)
+                    if op.edits:
+                        if copy_on_edit and not edited:
+                            result = x.clone()
+                        edited = True
+                        new = op.edit(result[index], ranks, len(plan.selected[op_index]))
+                        result[index] = new
+                    else:
+                        plan.record_save(op_index, positions, _copy_rows(result, index))
+            except Exception as exc:  # one request's failing op must not affect the others
+                plan.fail(op_index, exc)
+        return result if edited and copy_on_edit else None
+
+    # ---- logits and tokens ------------------------------------------------------------------------
+    @property
+    def has_logit_edits(self) -> bool:
+        return any(not t.plan.failed and any(t.plan.ops[i].edits for i in t.plan.ops_at(LOGITS))
+                   for t in self.traced)
+
+    def apply_logits_ops(self, head: Any, hidden: torch.Tensor) -> None:
+        """Exact logits for the rows that logits ops select (plus every sampling row when an op edits
+        logits, so the edit reaches the sampler), then the ops on them."""
+        users = [t for t in self.traced if not t.plan.failed and t.plan.ops_at(LOGITS)]
+        if not users:
+            return
+        edits = self.has_logit_edits
+        wanted = [self.sample_rows] if edits else []
+        for t in users:
+            for op_index in t.plan.ops_at(LOGITS):
+                positions, _ = t.selection(op_index)
+                wanted.append(positions - t.first_position + t.row_start)
+        rows = np.unique(np.concatenate(wanted)) if wanted else np.empty(0, dtype=np.int64)
+        if rows.size == 0:
+            return
+        logits = head.compute_logits(hidden[_row_index(rows, hidden.device)])
+        index_of_row = np.full(self.num_tokens, -1, dtype=np.int64)
+        index_of_row[rows] = np.arange(rows.size)
+        self._run_ops(LOGITS, "output", logits, users, index_of_row, copy_on_edit=False)
+        if edits and self.sample_rows.size:
+            self.sampling_logits = logits[_row_index(index_of_row[self.sample_rows], logits.device)]
+
+    def sample(self, head: Any, sampler: Any, hidden_rows: torch.Tensor, sampling: Any) -> Any:
+        """Sample the step's rows: from the edited exact logits when a logits op edited them, else by the head."""
+        if self.sampling_logits is None:
+            return head.sample(hidden_rows, sampling, sampler)
+        if head.name not in _warned_heads and head.name != "dense":
+            _warned_heads.add(head.name)
+            logger.info("a logits edit is active: steps that carry one sample every row from exact logits "
+                        "instead of the %s head's sampler", head.name)
+        return sampler(self.sampling_logits, sampling)
+
+    def record_tokens(self, sampled_token_ids: torch.Tensor) -> None:
+        """`tokens` saves: the id sampled at the request's last row this step, stored at that row's position."""
+        for t in self.traced:
+            if t.sample_index is None or t.plan.failed:
+                continue
+            position = t.first_position + t.num_rows - 1
+            for op_index in t.plan.ops_at(TOKENS):
+                selected = t.plan.selected[op_index]
+                k = int(np.searchsorted(selected, position))
+                if k < selected.size and selected[k] == position:
+                    t.plan.record_save(op_index, np.array([position]),
+                                       sampled_token_ids[t.sample_index:t.sample_index + 1].clone())
+
+    def finish_step(self, out: Any) -> None:
+        """Report requests whose trace failed in this step; the scheduler ends them with an error."""
+        for t in self.traced:
+            if t.plan.newly_failed:
+                t.plan.newly_failed = False
+                rid = t.plan.request_id
+                out.errors[rid] = t.plan.error
+                # A failed request gets nothing else from this step (its token came from edited state).
+                out.sampled_token_ids.pop(rid, None)
+                out.logprobs.pop(rid, None)
+                out.prompt_logprobs.pop(rid, None)
+
+
+def _row_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """A slice for a run of consecutive rows (the common case), else an index tensor on `device`."""
+    first, last = int(rows[0]), int(rows[-1])
+    if last - first + 1 == rows.size and np.all(np.diff(rows) == 1):
+        return slice(first, last + 1)
+    return torch.as_tensor(rows, dtype=torch.long, device=device)
+
+
+def _copy_rows(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    if isinstance(index, slice):
+        return x[index].clone()
+    return x.index_select(0, index)

@@ -1,0 +1,415 @@
+"""Taps: every tap-expressible op of a step at one site point, applied to all its rows at once.
+
+A request's ops at one (site, point) are tap-expressible when, per position, they compose into one
+affine edit `out = keep * x * scale + coef * value_row` plus saves of the value before or after that
+edit. That covers save, set, add, scale, zero and mean ablation as long as at most one op with a
+value selects each position and no save sits between two edits of the same target. Everything else
+(`apply`, several values on one position, a save between edits) keeps the per-request path of
+hooks.py.
+
+A request's ops become a `TapProgram` once: per-position arrays over the positions it computes. Each
+step then copies slices of those arrays into pinned host buffers (no per-row Python), sends them to
+the device in one copy, and the site's hook does one `where` + `addcmul` over all rows of the batch
+and one `index_select` per save stage. Rows nobody edits have keep 1, scale 1, coef 0 (exact
+identity). `keep` is separate from `scale`: zero / set / mean ablation discard the original value
+(a NaN there does not leak through), while `scale(0.0)` multiplies it like the per-request path.
+
+The same arithmetic runs inside captured CUDA graphs (`static_hooks`): per-runner static device
+buffers hold keep / scale / add and copies of the tapped value; after replay the selected rows are
+copied out of the static save buffers (a device op, no host sync).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from pellucid.tracing.ops import Add, MeanAblate, Op, Save, Scale, Set, Zero
+from pellucid.tracing.plan import TracePlan
+
+Target = tuple[str, str]          # (module path, "input" | "output")
+
+_VALUE_OPS = (Set, Add, MeanAblate)
+_TAP_OPS = (Save, Set, Add, MeanAblate, Scale, Zero)
+# Table forms of edit values on the device, keyed by the user's tensor: requests that share one
+# steering vector share one device copy (and one row of the step's value table).
+_TABLE_FORMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclass
+class TapProgram:
+    """One request's ops at one target as per-position arrays (index = absolute position)."""
+
+    edits: bool
+    keep: np.ndarray                        # float32 0/1: keep the original value
+    scale: np.ndarray                       # float32 multiplier of the (kept) original value
+    coef: np.ndarray                        # float32 multiplier of the value row
+    value_slot: np.ndarray                  # int64 index into value_ops, len(value_ops) = no value
+    value_rank: np.ndarray                  # int64 row of that op's table form
+    value_ops: list[int]                    # op indices carrying a value
+    pre_saves: list[tuple[int, np.ndarray]] = field(default_factory=list)    # (op index, bool mask)
+    post_saves: list[tuple[int, np.ndarray]] = field(default_factory=list)
+
+    @property
+    def flags(self) -> tuple[bool, bool, bool]:
+        return self.edits, bool(self.pre_saves), bool(self.post_saves)
+
+
+def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | None:
+    """The request's tap program at `target`, or None when its ops there need the per-request path.
+    Raises ValueError (with the op index in `exc.op_index`) when a value does not fit the site."""
+    indices = plan.ops_at(*target)
+    ops = [plan.ops[i] for i in indices]
+    if not all(isinstance(op, _TAP_OPS) for op in ops):
+        return None
+    edit_order = [k for k, op in enumerate(ops) if op.edits]
+    size = limit + 1        # one spare identity position, so a slice never runs short
+    masks = {}
+    for i in indices:
+        mask = np.zeros(size, dtype=bool)
+        mask[plan.selected[i][plan.selected[i] < size]] = True
+        masks[i] = mask
+    value_indices = [i for i, op in zip(indices, ops) if isinstance(op, _VALUE_OPS)]
+    if value_indices and np.any(np.sum([masks[i] for i in value_indices], axis=0) > 1):
+        return None         # two values on one position: their composition needs two table rows
+    program = TapProgram(
+        edits=bool(edit_order), keep=np.ones(size, np.float32), scale=np.ones(size, np.float32),
+        coef=np.zeros(size, np.float32), value_slot=np.full(size, len(value_indices), np.int64),
+        value_rank=np.zeros(size, np.int64), value_ops=value_indices)
+    for k, (i, op) in enumerate(zip(indices, ops)):
+        mask = masks[i]
+        if isinstance(op, Save):
+            if edit_order and edit_order[0] < k < edit_order[-1]:
+                return None     # sees some edits of this target but not others
+            (program.post_saves if edit_order and k > edit_order[0] else program.pre_saves).append((i, mask))
+        elif isinstance(op, Scale):
+            program.scale[mask] *= op.factor
+            program.coef[mask] *= op.factor
+        elif isinstance(op, Zero):
+            program.keep[mask] = program.scale[mask] = program.coef[mask] = 0.0
+        elif isinstance(op, Add):
+            program.coef[mask] += 1.0
+        else:                   # Set, MeanAblate: replace
+            program.keep[mask] = program.scale[mask] = 0.0
+            program.coef[mask] = 1.0
+        if isinstance(op, _VALUE_OPS):
+            try:
+                _check_value(plan, i)
+            except ValueError as exc:
+                exc.op_index = i        # type: ignore[attr-defined]  (the plan fails this op)
+                raise
+            program.value_slot[mask] = value_indices.index(i)
+            if _value_has_rows(plan, i):
+                program.value_rank[plan.selected[i][plan.selected[i] < size]] = np.arange(
+                    int(np.sum(plan.selected[i] < size)))
+    return program
+
+
+def _value_has_rows(plan: TracePlan, op_index: int) -> bool:
+    op = plan.ops[op_index]
+    return getattr(op, op.value_field).dim() == len(plan.sites[op_index].shape) + 1
+
+
+def _check_value(plan: TracePlan, op_index: int) -> None:
+    """The same checks (and messages) as the per-request path, made on the host from the site's shape."""
+    op = plan.ops[op_index]
+    value = getattr(op, op.value_field)
+    shape = plan.sites[op_index].shape
+    num_selected = len(plan.selected[op_index])
+    rows = _value_has_rows(plan, op_index)
+    expected = (num_selected, *shape) if rows else shape
+    try:
+        if rows:
+            if value.shape[0] != num_selected:
+                raise ValueError(f"{op.kind} {op.value_field} has {value.shape[0]} rows (one per selected "
+                                 f"position) but the op selects {num_selected} positions of this request")
+            fits = torch.broadcast_shapes(value.shape, expected) == torch.Size(expected)
+        else:
+            fits = torch.broadcast_shapes(value.shape, shape) == torch.Size(shape)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{op.kind} {op.value_field} of shape {tuple(value.shape)} does not fit {op.target}, "
+                         f"whose per-token shape is {tuple(shape)} (expected {tuple(expected)} or a shape that "
+                         f"broadcasts to it)")
+
+
+def table_form(plan: TracePlan, op_index: int, device: torch.device) -> torch.Tensor:
+    """The op's value as [rows, *site_shape] in the site's dtype on `device` (cached per user tensor)."""
+    op = plan.ops[op_index]
+    value = getattr(op, op.value_field)
+    site = plan.sites[op_index]
+    rows = value.shape[0] if _value_has_rows(plan, op_index) else 1
+    key = (device, site.dtype, site.shape, rows)
+    forms = _TABLE_FORMS.get(value)
+    if forms is None:
+        forms = _TABLE_FORMS[value] = {}
+    form = forms.get(key)
+    if form is None:
+        form = value.to(device=device, dtype=site.dtype).expand(rows, *site.shape).contiguous()
+        forms[key] = form
+    return form
+
+
+# ---- one step ---------------------------------------------------------------------------------------
+@dataclass
+class TapUser:
+    """A traced request whose ops at a target run as a tap this step."""
+
+    plan: TracePlan
+    program: TapProgram
+    row_start: int
+    num_rows: int
+    first_position: int
+
+
+class _HostBuffers:
+    """Pinned host staging for one target: [rows, 3] (keep, scale, coef) float32 and value indices."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.params = torch.empty((max_rows, 3), dtype=torch.float32, pin_memory=pin)
+        self.value_index = torch.empty(max_rows, dtype=torch.int64, pin_memory=pin)
+        self.params_np = self.params.numpy()
+        self.value_index_np = self.value_index.numpy()
+
+
+class _StaticBuffers:
+    """Fixed device addresses a captured graph reads (keep, scale, add) and writes (saves)."""
+
+    def __init__(self, rows: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        ones = (1,) * len(shape)
+        self.keep = torch.ones((rows, *ones), dtype=torch.bool, device=device)
+        self.scale = torch.ones((rows, *ones), dtype=dtype, device=device)
+        self.add = torch.zeros((rows, *shape), dtype=dtype, device=device)
+        self.pre = torch.zeros((rows, *shape), dtype=dtype, device=device)
+        self.post = torch.zeros((rows, *shape), dtype=dtype, device=device)
+
+
+class TapRuntime:
+    """Per-runner state that outlives a step: host staging buffers and the graphs' static buffers."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.device = device
+        self.host: dict[Target, _HostBuffers] = {}
+        self.static: dict[Target, _StaticBuffers] = {}
+        # Per target: (key of the value forms, the step's value table, the forms it was built from).
+        self.tables: dict[Target, tuple[tuple[Any, ...], torch.Tensor, list[torch.Tensor]]] = {}
+
+    def host_buffers(self, target: Target) -> _HostBuffers:
+        if target not in self.host:
+            self.host[target] = _HostBuffers(self.max_rows, self.device)
+        return self.host[target]
+
+    def static_buffers(self, target: Target, shape: tuple[int, ...], dtype: torch.dtype) -> _StaticBuffers:
+        if target not in self.static:
+            self.static[target] = _StaticBuffers(self.max_rows, shape, dtype, self.device)
+        return self.static[target]
+
+
+@dataclass
+class _SaveRecord:
+    plan: TracePlan
+    op_index: int
+    positions: np.ndarray
+    start: int                # first row of this request in the stage's saved chunk
+
+
+class _Stage:
+    """The rows one save stage (before / after the edit) copies this step, and who they belong to."""
+
+    def __init__(self) -> None:
+        self.rows: list[np.ndarray] = []
+        self.records: list[_SaveRecord] = []
+        self.count = 0
+        self.index: torch.Tensor | None = None
+
+    def add(self, plan: TracePlan, op_index: int, rows: np.ndarray, positions: np.ndarray) -> None:
+        self.rows.append(rows)
+        self.records.append(_SaveRecord(plan, op_index, positions, self.count))
+        self.count += rows.size
+
+    def finish_host(self, device: torch.device) -> None:
+        if self.count:
+            rows = np.concatenate(self.rows) if len(self.rows) > 1 else self.rows[0]
+            self.index = torch.from_numpy(rows).to(device, non_blocking=True) if device.type != "cpu" \
+                else torch.from_numpy(rows)
+
+    def record(self, chunk: torch.Tensor) -> None:
+        for r in self.records:
+            if not r.plan.failed:       # a request that failed earlier in this forward keeps no saves
+                r.plan.record_save(r.op_index, r.positions, chunk, r.start)
+
+
+class TargetTap:
+    """This step's tap at one target: the device edit tensors and the save stages."""
+
+    def __init__(self, target: Target, shape: tuple[int, ...], dtype: torch.dtype, users: list[TapUser]) -> None:
+        self.target = target
+        self.shape = shape
+        self.dtype = dtype
+        self.users = users
+        self.edits = any(u.program.edits for u in users)
+        self.pre, self.post = _Stage(), _Stage()
+        self.keep: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.add: torch.Tensor | None = None
+        self.num_rows = 0
+
+    @property
+    def flags(self) -> tuple[bool, bool, bool]:
+        return (self.edits, any(u.program.pre_saves for u in self.users),
+                any(u.program.post_saves for u in self.users))
+
+    def prepare(self, runtime: TapRuntime, num_rows: int, static: _StaticBuffers | None) -> None:
+        """Fill the host arrays from each user's program slices, copy once, build keep / scale / add."""
+        self.num_rows = num_rows
+        device = runtime.device
+        for u in self.users:
+            p0, r0, n = u.first_position, u.row_start, u.num_rows
+            for stage, saves in ((self.pre, u.program.pre_saves), (self.post, u.program.post_saves)):
+                for op_index, mask in saves:
+                    hit = np.flatnonzero(mask[p0:p0 + n])
+                    if hit.size:
+                        stage.add(u.plan, op_index, hit + r0, hit + p0)
+        self.pre.finish_host(device)
+        self.post.finish_host(device)
+        if not self.edits:
+            return
+        host = runtime.host_buffers(self.target)
+        params, value_index = host.params_np, host.value_index_np
+        params[:num_rows] = (1.0, 1.0, 0.0)
+        value_index[:num_rows] = 0
+        tables: list[torch.Tensor] = []
+        table_rows: dict[int, int] = {}         # id(table form) -> its first row in the step's table
+        next_row = 1                            # row 0: zeros, for rows without a value
+        for u in self.users:
+            prog = u.program
+            if not prog.edits:
+                continue
+            p, r = slice(u.first_position, u.first_position + u.num_rows), slice(u.row_start, u.row_start + u.num_rows)
+            params[r, 0] = prog.keep[p]
+            params[r, 1] = prog.scale[p]
+            params[r, 2] = prog.coef[p]
+            if prog.value_ops:
+                offsets = np.zeros(len(prog.value_ops) + 1, dtype=np.int64)
+                for k, op_index in enumerate(prog.value_ops):
+                    form = table_form(u.plan, op_index, device)
+                    start = table_rows.get(id(form))
+                    if start is None:
+                        start = table_rows[id(form)] = next_row
+                        tables.append(form)
+                        next_row += form.shape[0]
+                    offsets[k] = start
+                slots = prog.value_slot[p]
+                value_index[r] = np.where(slots < len(prog.value_ops), offsets[slots] + prog.value_rank[p], 0)
+        table = self._value_table(runtime, tables)
+        params_dev = _to_device(host.params[:num_rows], device)
+        index_dev = _to_device(host.value_index[:num_rows], device)
+        ones = (1,) * len(self.shape)
+        keep_src = params_dev[:, 0].reshape(num_rows, *ones)
+        scale_src = params_dev[:, 1].reshape(num_rows, *ones)
+        coef = params_dev[:, 2].reshape(num_rows, *ones)
+        if static is None:
+            self.keep = keep_src != 0
+            self.scale = scale_src.to(self.dtype)
+            self.add = table.index_select(0, index_dev)
+        else:
+            self.keep, self.scale, self.add = static.keep[:num_rows], static.scale[:num_rows], static.add[:num_rows]
+            torch.ne(keep_src, 0, out=self.keep)
+            self.scale.copy_(scale_src)
+            torch.index_select(table, 0, index_dev, out=self.add)
+        self.add.mul_(coef)
+
+    def _value_table(self, runtime: TapRuntime, tables: list[torch.Tensor]) -> torch.Tensor:
+        """Zeros row + every distinct value of the step; reused while the same values stay in the batch."""
+        key = (self.dtype, *(id(t) for t in tables))
+        cached = runtime.tables.get(self.target)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        zeros = torch.zeros((1, *self.shape), dtype=self.dtype, device=runtime.device)
+        table = torch.cat([zeros, *tables]) if tables else zeros
+        # The key holds ids only: the cache keeps the forms alive so an id cannot be reused meanwhile.
+        runtime.tables[self.target] = (key, table, tables)
+        return table
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Eager: saves before the edit, the edit (out of place), saves after it."""
+        if x.shape[0] != self.num_rows:
+            raise RuntimeError(f"{'.'.join(self.target)}: {x.shape[0]} rows reach the tap, prepared for "
+                               f"{self.num_rows}")
+        if self.pre.count:
+            self.pre.record(x.index_select(0, self.pre.index))
+        out = edit(x, self.keep, self.scale, self.add) if self.edits else x
+        if self.post.count:
+            self.post.record(out.index_select(0, self.post.index))
+        return out
+
+    def collect_static(self, static: _StaticBuffers) -> None:
+        """After a graph replay: copy the selected rows out of the static save buffers."""
+        if self.pre.count:
+            self.pre.record(static.pre.index_select(0, self.pre.index))
+        if self.post.count:
+            self.post.record(static.post.index_select(0, self.post.index))
+
+
+def edit(x: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+    """`keep * x * scale + add` per row, out of place (no other consumer of x sees the edit); a row
+    that does not keep x ignores it entirely (NaN or inf included)."""
+    return torch.addcmul(add, torch.where(keep, x, 0.0), scale)
+
+
+def captured_tap(static: _StaticBuffers, size: int, flags: tuple[bool, bool, bool]) -> Any:
+    """The tap as a captured graph runs it: whole-value copies into the static save buffers (the
+    selected rows are gathered after replay) and the edit from the static keep / scale / add."""
+    edits, pre, post = flags
+
+    def run(x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] != size:
+            raise RuntimeError(f"a tap captured for {size} rows got {x.shape[0]}")
+        if pre:
+            static.pre[:size].copy_(x)
+        out = edit(x, static.keep[:size], static.scale[:size], static.add[:size]) if edits else x
+        if post:
+            static.post[:size].copy_(out)
+        return out if edits else None
+    return run
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Pinned staging is rewritten next step only after the step's token readback has synchronised.
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def install_hooks(modules: dict[str, nn.Module], taps: dict[Target, Any], run: Any) -> Iterator[None]:
+    """Forward (pre-)hooks on the tapped modules calling `run(target, x) -> new x or None`."""
+    handles = []
+    try:
+        for target in taps:
+            site, point = target
+            module = modules[site]
+            if point == "input":
+                def pre(_m: nn.Module, args: tuple[Any, ...], target: Target = target) -> tuple[Any, ...] | None:
+                    if not args or not isinstance(args[0], torch.Tensor):
+                        raise RuntimeError(f"{target[0]}.input: the module was called without a tensor first "
+                                           f"argument")
+                    new = run(target, args[0])
+                    return None if new is None else (new, *args[1:])
+                handles.append(module.register_forward_pre_hook(pre))
+            else:
+                def post(_m: nn.Module, _a: tuple[Any, ...], output: Any, target: Target = target) -> Any:
+                    if not isinstance(output, torch.Tensor):
+                        raise RuntimeError(f"{target[0]}.output is a {type(output).__name__}, not a tensor")
+                    return run(target, output)
+                handles.append(module.register_forward_hook(post))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

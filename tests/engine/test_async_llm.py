@@ -1,0 +1,191 @@
+"""AsyncLLM against the offline LLM on the same tiny random model: same tokens, aborts, errors, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from pellucid.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from pellucid.llm import LLM
+from pellucid.sampling_params import SamplingParams
+
+ENGINE_KWARGS = dict(device="cpu", num_kv_blocks=256, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def async_llm(qwen3_dir):
+    engine = AsyncLLM(qwen3_dir, **ENGINE_KWARGS)
+    yield engine
+    engine.shutdown()
+
+
+def random_prompts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    words = ["the", "cat", "sat", "on", "a", "mat", "hello", "world", "quick", "brown", "fox", "jumps"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) for _ in range(count)]
+
+
+async def final_output(engine: AsyncLLM, prompt, params: SamplingParams):
+    last = None
+    async for out in engine.generate(prompt, params):
+        assert last is None or len(out.outputs[0].token_ids) >= len(last.outputs[0].token_ids)
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_concurrent_generation_equals_llm_generate(llm, async_llm, seed):
+    prompts = random_prompts(seed, 8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=20, max_tokens=10, seed=seed, n=2)
+    ref_greedy = llm.generate(prompts, greedy, use_tqdm=False)
+    ref_sampled = llm.generate(prompts, sampled, use_tqdm=False)
+
+    async def run():
+        tasks = [final_output(async_llm, p, greedy) for p in prompts]
+        tasks += [final_output(async_llm, p, sampled) for p in prompts]
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(run())
+    for ref, out in zip(ref_greedy + ref_sampled, outs):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
+        assert [c.text for c in out.outputs] == [c.text for c in ref.outputs]
+        assert out.prompt_token_ids == ref.prompt_token_ids
+    assert async_llm.get_stats().num_used_blocks == 0
+
+
+def test_requests_are_batched_together(async_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    peak = 0
+
+    async def run():
+        nonlocal peak
+        tasks = [asyncio.ensure_future(final_output(async_llm, p, params)) for p in random_prompts(7, 12)]
+        while not all(t.done() for t in tasks):
+            peak = max(peak, async_llm.get_stats().num_running)
+            await asyncio.sleep(0.002)
+        return [t.result() for t in tasks]
+
+    outs = asyncio.run(run())
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert peak > 1
+
+
+def test_leaving_the_stream_aborts_within_one_step(async_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    before = async_llm.get_stats()
+    aborted_before = async_llm.num_aborted
+
+    async def run() -> int:
+        seen = 0
+        async for out in async_llm.generate("the quick brown fox", params):
+            seen = len(out.outputs[0].token_ids)
+            if seen >= 3:
+                break       # the generator is closed here: that must abort the request
+        return seen
+
+    seen = asyncio.run(run())
+    wait_until(lambda: async_llm.num_aborted == aborted_before + 1)
+    wait_until(lambda: async_llm.get_stats().num_running == 0 and async_llm.get_stats().num_used_blocks == 0)
+    generated = async_llm.get_stats().generation_tokens_total - before.generation_tokens_total
+    # The abort is applied before the next step, so at most one token beyond what the reader saw.
+    assert seen <= generated <= seen + 1
+
+
+def test_abort_by_id_finishes_the_stream_with_abort(async_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        outputs = []
+        async for out in async_llm.generate("hello world", params, request_id="to-abort"):
+            outputs.append(out)
+            if len(outputs) == 2:
+                async_llm.abort("to-abort")
+        return outputs
+
+    outputs = asyncio.run(run())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert len(outputs[-1].outputs[0].token_ids) < 200
+    wait_until(lambda: async_llm.get_stats().num_used_blocks == 0)
+
+
+def test_validation_errors_raise_before_the_first_output(async_llm):
+    too_long = list(range(1, 300))          # max_model_len is 256
+
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in async_llm.generate(too_long, SamplingParams(max_tokens=4)):
+                raise AssertionError("no output may come before the error")
+        with pytest.raises(ValueError, match="out of range"):
+            async for _ in async_llm.generate([10**6], SamplingParams(max_tokens=4)):
+                raise AssertionError("no output may come before the error")
+        # The engine still serves.
+        return await final_output(async_llm, "hello", SamplingParams(temperature=0.0, max_tokens=3))
+
+    out = asyncio.run(run())
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_failing_step_fails_its_requests_and_keeps_serving(async_llm):
+    core = async_llm._core
+    real_step = core.step
+    failures = {"left": 1}
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    def failing_step():
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    core.step = failing_step
+    try:
+        async def run():
+            with pytest.raises(RequestFailedError, match="injected step failure"):
+                await final_output(async_llm, "the cat sat", params)
+            return await final_output(async_llm, "the cat sat", params)
+
+        out = asyncio.run(run())
+    finally:
+        del core.step
+    assert len(out.outputs[0].token_ids) == 5
+    wait_until(lambda: async_llm.get_stats().num_used_blocks == 0)
+    assert async_llm.num_step_failures >= 1
+
+
+def test_shutdown_ends_in_flight_requests_cleanly(qwen3_dir):
+    engine = AsyncLLM(qwen3_dir, **ENGINE_KWARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        got = 0
+        with pytest.raises(EngineDeadError):
+            async for out in engine.generate("the quick brown fox", params):
+                got = len(out.outputs[0].token_ids)
+                if got == 2:
+                    # shutdown() blocks until the loop stopped; run it off the event loop thread.
+                    await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("hello", params):
+                pass
+        return got
+
+    assert asyncio.run(run()) >= 2
+    assert engine.get_stats().num_used_blocks == 0
+    assert not engine.is_running

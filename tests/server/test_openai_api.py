@@ -1,0 +1,186 @@
+"""The server through the official openai client, checked against LLM.generate and transformers."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pellucid.sampling_params import SamplingParams
+from server_harness import MODEL_NAME, random_prompts
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf(server_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(server_model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(server_model_dir)
+
+
+def by_index(choices):
+    return sorted(choices, key=lambda c: c.index)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_completions_greedy_equal_llm_generate_with_right_usage(client, reference_llm, hf, seed):
+    prompts = random_prompts(seed, 4)
+    resp = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=10, temperature=0)
+    refs = reference_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+    choices = by_index(resp.choices)
+    assert [c.text for c in choices] == [r.outputs[0].text for r in refs]
+    assert [c.finish_reason for c in choices] == [r.outputs[0].finish_reason for r in refs]
+    tokenizer = hf[1]
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    completion_tokens = sum(len(r.outputs[0].token_ids) for r in refs)
+    assert resp.usage.prompt_tokens == prompt_tokens
+    assert resp.usage.completion_tokens == completion_tokens
+    assert resp.usage.total_tokens == prompt_tokens + completion_tokens
+    assert resp.model == MODEL_NAME
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_completion_stream_concatenates_to_the_non_streamed_text(client, seed):
+    prompt = random_prompts(seed, 1)[0]
+    kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0)
+    full = client.completions.create(**kwargs)
+    pieces, finish, usage = [], None, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == full.choices[0].text
+    assert finish == full.choices[0].finish_reason
+    assert usage == full.usage
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_chat_equals_llm_chat_streamed_and_not(client, reference_llm, seed):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": random_prompts(seed, 1)[0]}]
+    ref = reference_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
+    assert full.choices[0].message.content == ref.outputs[0].text
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert full.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    pieces, roles, usage = [], [], None
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            pieces.append(choice.delta.content or "")
+    assert roles == ["assistant"]
+    assert "".join(pieces) == ref.outputs[0].text
+    assert usage == full.usage
+
+
+def test_multi_turn_chat_uses_the_template_with_all_roles(client, reference_llm):
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello there"},
+                {"role": "assistant", "content": "the cat"}, {"role": "user", "content": "sat on a mat"}]
+    ref = reference_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0)
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_token_id_prompts_and_seeded_n(client, reference_llm, hf):
+    ids = hf[1]("the quick brown fox")["input_ids"]
+    resp = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0)
+    ref = reference_llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert resp.choices[0].text == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ids)
+
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8)
+    ref = reference_llm.generate(["hello world"], params, use_tqdm=False)[0]
+    resp = client.completions.create(model=MODEL_NAME, prompt="hello world", n=3, temperature=1.0, seed=11,
+                                     max_tokens=8)
+    assert [c.index for c in by_index(resp.choices)] == [0, 1, 2]
+    assert [c.text for c in by_index(resp.choices)] == [c.text for c in ref.outputs]
+    assert resp.usage.completion_tokens == sum(len(c.token_ids) for c in ref.outputs)
+
+
+def test_stop_string_is_honoured_streamed_and_not(client):
+    prompt = "the cat sat on a mat"
+    base = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[len(base) // 2: len(base) // 2 + 2]
+    assert stop
+    expected = base[:base.find(stop)]
+    kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                  extra_body={"ignore_eos": True})
+    resp = client.completions.create(**kwargs)
+    assert resp.choices[0].text == expected
+    assert resp.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    assert streamed == expected
+
+
+def test_completion_logprobs_match_transformers(client, reference_llm, hf):
+    model, tokenizer = hf
+    prompt = "hello world the quick"
+    k = 3
+    resp = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=k,
+                                     extra_body={"ignore_eos": True})
+    ref = reference_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                 use_tqdm=False)[0]
+    generated = ref.outputs[0].token_ids
+    ids = torch.tensor([ref.prompt_token_ids + generated])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    positions = range(len(ref.prompt_token_ids) - 1, ids.shape[1] - 1)
+    lp = resp.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(generated)
+    for j, (pos, tid) in enumerate(zip(positions, generated)):
+        assert lp.token_logprobs[j] == pytest.approx(logprobs[pos, tid].item(), abs=1e-4)
+        assert lp.tokens[j] == tokenizer.decode([tid])
+        top_ids = torch.topk(logprobs[pos], k).indices.tolist()
+        for tid_alt in top_ids:
+            text = tokenizer.decode([tid_alt])
+            assert lp.top_logprobs[j][text] == pytest.approx(logprobs[pos, tid_alt].item(), abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+
+
+def test_chat_logprobs_streamed_equal_non_streamed(client):
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "the brown fox"}], max_tokens=6,
+                  temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(full) >= 1
+    for entry in full:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    streamed = [e for c in client.chat.completions.create(stream=True, **kwargs)
+                for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in full]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in full], abs=1e-4)
+
+
+def test_models_health_version_tokenize_detokenize(server, client, hf):
+    tokenizer = hf[1]
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    text = " ".join(random_prompts(9, 3))
+    tok = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "prompt": text}).json()
+    assert tok["tokens"] == tokenizer(text)["input_ids"]
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert detok["prompt"] == tokenizer.decode(tok["tokens"])
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(expected, "keys"):
+        expected = expected["input_ids"]
+    assert chat["tokens"] == list(expected)
