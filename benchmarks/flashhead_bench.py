@@ -101,7 +101,8 @@ def stage_times(head: FlashHead, hidden: torch.Tensor, device: torch.device, gra
     time_us = (lambda fn: measure_latency_us(fn, device, cuda_graph=graph))
     out = {"stage1_us": time_us(lambda: kernels.stage1(hidden, head.centroids, None, None)),
            "topk_us": time_us(lambda: keys.topk(head.probes, dim=1, sorted=False)),
-           "select_us": time_us(lambda: kernels.select_top(keys, head.probes, state)),
+           "select_us": time_us(lambda: kernels.select_triton(keys, head.probes) if kernels.use_triton(keys)
+                                else kernels.select_top(keys, head.probes)),
            "stage2_logits_us": time_us(lambda: kernels.stage2(*args))}
     if not kernels.use_triton(hidden):
         return out
@@ -110,12 +111,12 @@ def stage_times(head: FlashHead, hidden: torch.Tensor, device: torch.device, gra
     if sweep:
         for block_c in (16, 32, 64):
             for warps in (4, 8):
-                for stages in (3, 4):
+                for stages in (3,):
                     out[f"sweep_stage1_c{block_c}_w{warps}_s{stages}_us"] = time_us(
                         lambda: kernels.stage1_triton(hidden, head.centroids, None, None, block_c=block_c,
                                                       num_warps=warps, num_stages=stages))
         for warps in (4, 8, 16, 32):
-            out[f"sweep_select_w{warps}_us"] = time_us(lambda: kernels.select_triton(keys, head.probes, warps, state))
+            out[f"sweep_select_w{warps}_us"] = time_us(lambda: kernels.select_triton(keys, head.probes, warps))
         for block_p in (1, 2, 4):
             for block_h in (256, 1024):
                 for warps in (4, 8):

@@ -5,11 +5,19 @@ LM head + sampler call overhead on a tiny vocabulary, output processing and deto
 can be compared with the GPU time of a step. Runs on the CPU; no GPU needed.
 
     python benchmarks/step_overhead.py --batch 256 --steps 200
+
+Two output modes are measured in the same run: `final` (requests added with stream=False, as
+LLM.generate does: outputs only when a request finishes) and `stream` (AsyncLLM / the server: a
+cumulative output every step). `--gpu-ms X` makes the stubbed step behave like an asynchronous device:
+the forward returns at once and the sampled-token readback waits until X ms after the forward was
+launched, so host work done between launch and readback is hidden, as it would be on a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import inspect
 import pstats
 import statistics
 import tempfile
@@ -19,18 +27,22 @@ import torch
 
 
 class StubModel(torch.nn.Module):
-    """Returns rows of a fixed random tensor: no compute, so the step is host overhead only."""
+    """Returns rows of a fixed random tensor: no compute, so the step is host overhead only. With
+    `device_ms`, it records when the stand-in device work of this step would be done."""
 
-    def __init__(self, inner: torch.nn.Module, max_tokens: int) -> None:
+    def __init__(self, inner: torch.nn.Module, max_tokens: int, device_ms: float) -> None:
         super().__init__()
         self.inner = inner
         self.hidden = torch.randn(max_tokens, inner.config.hidden_size, dtype=next(inner.parameters()).dtype)
+        self.device_s = device_ms / 1e3
+        self.done_at = 0.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.done_at = time.perf_counter() + self.device_s
         return self.hidden[: input_ids.shape[0]]
 
 
-def build_engine(batch: int, prompt_len: int, output_len: int):
+def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, device_ms: float):
     from pellucid.config import EngineConfig
     from pellucid.engine.engine_core import EngineCore
     from pellucid.sampling_params import SamplingParams
@@ -42,12 +54,27 @@ def build_engine(batch: int, prompt_len: int, output_len: int):
                                       max_num_batched_tokens=max(batch * prompt_len, 2048),
                                       num_kv_blocks=batch * (max_len // 16 + 2))
     core = EngineCore(config)
-    core.runner.model = StubModel(core.runner.model, config.scheduler.max_num_batched_tokens)
+    stub = StubModel(core.runner.model, config.scheduler.max_num_batched_tokens, device_ms)
+    core.runner.model = stub
+    if device_ms > 0:
+        inner_readback = core.runner._device_readback
+
+        @contextlib.contextmanager
+        def readback_after_device():
+            # The readback is where a GPU step blocks: wait for the stand-in device work to be done.
+            delay = stub.done_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            with inner_readback():
+                yield
+        core.runner._device_readback = readback_after_device
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    # Older engines (before output modes) stream everything; measure them as they are.
+    mode = {"stream": stream} if "stream" in inspect.signature(core.add_request).parameters else {}
     for i in range(batch):
         prompt = torch.randint(10, 500, (prompt_len,), generator=gen).tolist()
-        core.add_request(f"r{i}", prompt, params)
+        core.add_request(f"r{i}", prompt, params, **mode)
     return core
 
 
@@ -69,15 +96,8 @@ class PhaseTimer:
         setattr(owner, method, timed)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--profile", action="store_true", help="print the top functions by cumulative time")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    core = build_engine(args.batch, args.prompt_len, args.steps + 20)
+def measure(args: argparse.Namespace, stream: bool) -> tuple[dict[str, float], list[float]]:
+    core = build_engine(args.batch, args.prompt_len, args.steps + 20, stream, args.gpu_ms)
     # Prefill every request first; then time decode steps only.
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.num_waiting:
         core.step()
@@ -87,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     phases = PhaseTimer()
     phases.wrap(core.scheduler, "schedule", "schedule")
     phases.wrap(core.runner, "execute", "runner.execute (batch build, metadata, head, sampler, readback)")
+    phases.wrap(core.runner.head, "sample", "  of which head.sample (LM head matmul + argmax: device work on a GPU)")
     phases.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
     phases.wrap(core.outputs, "process_tokens", "outputs.process_tokens (detokenize, stops)")
     phases.wrap(core.outputs, "make_outputs", "outputs.make_outputs")
@@ -101,15 +122,39 @@ def main(argv: list[str] | None = None) -> None:
         if profiler:
             profiler.disable()
     if profiler:
+        print(f"profile, {'stream' if stream else 'final'} mode:")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    median = statistics.median(times) * 1e3
-    print("| phase | mean ms/step |\n| --- | --- |")
-    for phase, total in phases.totals.items():
-        print(f"| {phase} | {total / args.steps * 1e3:.3f} |")
-    print(f"| whole step (mean) | {sum(times) / len(times) * 1e3:.3f} |\n")
-    print(f"| workload | figure | target |\n| --- | --- | --- |\n"
-          f"| decode step, batch {args.batch}, context ~{args.prompt_len}, forward stubbed (CPU) | "
-          f"{median:.3f} ms/step median (p90 {sorted(times)[int(0.9 * len(times))] * 1e3:.3f}) | <= 1 ms |")
+    return {phase: total / args.steps * 1e3 for phase, total in phases.totals.items()}, times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--modes", default="final,stream", help="comma-separated: final, stream")
+    parser.add_argument("--gpu-ms", type=float, default=0.0,
+                        help="stand-in device time per step, waited for at the token readback")
+    parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results = {}
+    for mode in args.modes.split(","):
+        if mode not in ("final", "stream"):
+            raise SystemExit(f"unknown mode {mode!r}: use final or stream")
+        results[mode] = measure(args, stream=mode == "stream")
+    modes = list(results)
+    print("| phase (mean ms/step) | " + " | ".join(modes) + " |\n| --- |" + " --- |" * len(modes))
+    for phase in results[modes[0]][0]:
+        print(f"| {phase} | " + " | ".join(f"{results[m][0].get(phase, 0.0):.3f}" for m in modes) + " |")
+    print("| whole step (mean) | " + " | ".join(f"{statistics.mean(results[m][1]) * 1e3:.3f}" for m in modes) + " |\n")
+    device = f", stand-in device {args.gpu_ms:g} ms/step" if args.gpu_ms else ", forward stubbed"
+    print("| workload | mode | figure | target |\n| --- | --- | --- | --- |")
+    for m in modes:
+        times = sorted(results[m][1])
+        print(f"| decode step, batch {args.batch}, context ~{args.prompt_len}{device} (CPU) | {m} | "
+              f"{statistics.median(times) * 1e3:.3f} ms/step median (p90 {times[int(0.9 * len(times))] * 1e3:.3f}) | "
+              f"{'<= 1 ms host' if not args.gpu_ms else f'{args.gpu_ms:g} ms = all host work hidden'} |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ request adding a steering vector at one layer, measured in the same run.
 
 Prints output tokens/s (median of --repeats; the three workloads are interleaved within each repeat)
 and the ratio to untraced. Without --model it uses the embedded default model (random weights).
-On a GPU, traced steps run eagerly while untraced steps may replay CUDA graphs, which this measures.
+On a GPU, decode steps whose ops are all taps (save, add, ... ; pellucid/tracing/taps.py) replay CUDA
+graphs captured with those taps, like untraced steps; the last line says how many replays had taps.
 """
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def main() -> None:
     print(f"{'workload':<40}{'output tok/s':>14}{'vs untraced':>13}")
     for name, value in medians.items():
         print(f"{name:<40}{value:>14.1f}{value / base:>13.2f}")
+    graphs = llm.engine.runner.cuda_graphs
+    if graphs is not None:
+        print(f"CUDA graph replays: {graphs.num_replays}, of which with tracing taps: {graphs.num_tap_replays}")
 
 
 if __name__ == "__main__":

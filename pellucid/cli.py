@@ -1,4 +1,4 @@
-"""`pellucid generate | serve | bench | flashhead | extract`."""
+"""`pellucid generate | serve | bench | extract | flashhead`."""
 from __future__ import annotations
 
 import argparse
@@ -77,9 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subcommand_registrars():
     """Each feature package contributes its own subcommands."""
+    from pellucid.bench import add_bench_parser
+    from pellucid.extraction.cli import add_extract_parser
     from pellucid.heads.flashhead.cli import add_flashhead_parser
     from pellucid.server.serve import add_serve_parser
-    return [add_serve_parser, add_flashhead_parser]
+    return [add_serve_parser, add_bench_parser, add_extract_parser, add_flashhead_parser]
 
 
 def main(argv: list[str] | None = None) -> int:

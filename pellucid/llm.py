@@ -67,7 +67,8 @@ class LLM:
             self.engine.validate_prompt(p)
         ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
         for rid, p, sp, ex in zip(ids, prompt_list, params, extras_list):
-            self.engine.add_request(rid, p, sp, ex)
+            # Final-only: generate() returns finished outputs, so the engine builds nothing per step.
+            self.engine.add_request(rid, p, sp, ex, stream=False)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

@@ -29,7 +29,7 @@ def _run_batch(core, batch: int, input_len: int, output_len: int, seed: int) -> 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     vocab = core.runner.head.vocab_size
     for i, prompt in enumerate(random_prompts([input_len] * batch, vocab, seed)):
-        core.add_request(f"lat-{batch}-{i}", prompt, params)
+        core.add_request(f"lat-{batch}-{i}", prompt, params, stream=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.num_waiting:

@@ -44,7 +44,7 @@ def run_engine(core, prompts: list[list[int]], output_lens: list[int], tag: str)
 
     for i, (prompt, out) in enumerate(zip(prompts, output_lens)):
         core.add_request(f"{tag}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True,
-                                                              detokenize=False))
+                                                              detokenize=False), stream=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
     while core.has_unfinished_requests():

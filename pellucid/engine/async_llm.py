@@ -173,6 +173,14 @@ class AsyncLLM:
             },
         }
 
+    # ---- tracing accessor (begin) ----
+    @property
+    def model(self) -> Any:
+        """The loaded model's module tree, for naming trace sites (`async_trace` checks paths on it).
+        The engine thread runs it: read its structure, never call it from another thread."""
+        return self._core.model
+    # ---- tracing accessor (end) ----
+
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and self._dead is None

@@ -142,7 +142,10 @@ class EngineCore:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    extras: dict[str, Any] | None = None) -> None:
+                    extras: dict[str, Any] | None = None, stream: bool = True) -> None:
+        """Queue a request. With stream=True step() reports it every step it progresses (cumulative
+        outputs, for AsyncLLM and the server); with stream=False only once, when it finishes (LLM.generate),
+        which spares the per-step output building and, without stop strings, incremental detokenization."""
         if request_id in self.outputs.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate()
@@ -160,7 +163,7 @@ class EngineCore:
             req.extras.update(extras or {})
             prepare_traced_request(req, params.n, self.runner)   # tracing: bind the plan, prefix-cache policy
             children.append(req)
-        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, children)
+        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, children, stream)
         for req in children:
             self.scheduler.add_request(req)
 
@@ -189,22 +192,14 @@ class EngineCore:
             except Exception as exc:  # one bad batch must not take the engine down
                 logger.error("model step failed; failing its %d requests:\n%s", so.num_reqs, traceback.format_exc())
                 ro = ModelRunnerOutput(errors={r.request_id: f"{type(exc).__name__}: {exc}" for r in so.requests})
-            now = time.monotonic()
-            for req in so.requests:
-                if req.request_id in ro.sampled_token_ids:
-                    if req.first_token_time is None:
-                        req.first_token_time = now
-                    req.last_token_time = now
-            self.prompt_tokens_total += sum(n for n, r, c in zip(so.num_scheduled_tokens, so.requests,
-                                                                 so.num_computed_tokens)
-                                            if c < r.num_prompt_tokens)
             self.generation_tokens_total += len(ro.sampled_token_ids)
-            changed = self.scheduler.update_from_output(so, ro)
+            changed = self.scheduler.update_from_output(so, ro, now=time.monotonic())
             stopped = self.outputs.process_tokens(changed, ro)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             finish_traced_requests(changed)   # tracing: stack the saves of finished traced requests
-            touched |= self.outputs.parents_of([r.request_id for r in changed])
+            touched |= self.outputs.parents_to_report(changed)
+        self.prompt_tokens_total = self.scheduler.total_prompt_tokens
         # Requests the scheduler ended on its own (e.g. they can never fit in the KV pool).
         touched |= self.outputs.parents_of(self.scheduler.drain_finished_unreported())
         return self.outputs.make_outputs(touched)

@@ -103,7 +103,15 @@ class KVCacheManager:
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         rid = request.request_id
-        blocks = self._req_blocks.setdefault(rid, [])
+        blocks = self._req_blocks.get(rid)
+        if blocks and cached_blocks is None:
+            # Fast path, taken by nearly every decode: the held blocks already have room.
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if total_tokens <= len(blocks) * self.block_size:
+                self._publish_full_blocks(request, blocks, total_tokens)
+                return True
+        elif blocks is None:
+            blocks = self._req_blocks[rid] = []
         cached_blocks = cached_blocks if cached_blocks is not None else []
         admission = not blocks and request.num_computed_tokens == 0
         if cached_blocks and not admission:
@@ -123,10 +131,16 @@ class KVCacheManager:
             self.prefix_cache_hits += len(cached_blocks) * self.block_size
         # Touch hits before allocating so the allocation cannot evict them.
         self.block_pool.touch(cached_blocks)
+        num_held = len(blocks)
         blocks.extend(cached_blocks)
         if num_new_blocks > 0:
             blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        request.block_ids = [block.block_id for block in blocks]
+        # Extend in place rather than rebuild the list each step (the runner likewise writes only the
+        # new tail of a block-table row); rebuild only if someone else replaced request.block_ids.
+        if len(request.block_ids) == num_held:
+            request.block_ids.extend(block.block_id for block in blocks[num_held:])
+        else:
+            request.block_ids = [block.block_id for block in blocks]
         self._publish_full_blocks(request, blocks, total_tokens)
         return True
 
@@ -134,7 +148,7 @@ class KVCacheManager:
         """Offer the blocks that are full once `num_tokens` tokens are computed to the prefix cache."""
         if not (self.enable_prefix_caching and request.publish_prefix_cache):
             return
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
         start = self._num_published.get(request.request_id, 0)
         if num_full <= start:
             return

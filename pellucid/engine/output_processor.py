@@ -1,4 +1,11 @@
-"""Turns engine progress into RequestOutputs: detokenization, stop strings, logprobs, n > 1 fan-in."""
+"""Turns engine progress into RequestOutputs: detokenization, stop strings, logprobs, n > 1 fan-in.
+
+Two output modes per request, as in vLLM: a streaming request gets a cumulative RequestOutput every step
+it progresses (AsyncLLM, the server); a final-only request (LLM.generate) gets one when it finishes.
+A final-only request without stop strings is not detokenized incrementally at all: its text is decoded
+once when it finishes (`_final_text`). So the per-step host work of a large offline batch is only the
+token bookkeeping, not O(batch) Python objects and tokenizer calls.
+"""
 from __future__ import annotations
 
 import time
@@ -6,7 +13,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from pellucid.engine.request import Request
+from pellucid.engine.request import Request, RequestStatus
 from pellucid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.sampling_params import SamplingParams
@@ -17,7 +24,7 @@ from pellucid.tokenizer import IncrementalDetokenizer
 class SequenceState:
     request: Request
     index: int
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | None   # None when no text is needed before the request finishes
     text: str = ""                      # final text (stop strings trimmed) once finished
     logprobs: list[PositionLogprobs] | None = None
     stop_string: str | None = None
@@ -33,6 +40,7 @@ class ParentState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     error: str | None = None
+    stream: bool = True                 # False: report only when every sequence finished
 
 
 class OutputProcessor:
@@ -40,19 +48,29 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, SequenceState]] = {}
+        # Children that need work on every new token (incremental text, logprobs); the rest need none.
+        self._per_token: dict[str, tuple[ParentState, SequenceState]] = {}
+        self._streaming_children: set[str] = set()
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            children: list[Request]) -> None:
+            children: list[Request], stream: bool = True) -> None:
+        # Stop strings are searched in the decoded text, so they need it incrementally in either mode.
+        incremental = params.detokenize and (stream or bool(params.stop_strings))
         seqs = [SequenceState(req, i, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                              if params.detokenize else None,
+                              if incremental else None,
                               logprobs=[] if params.logprobs is not None else None)
                 for i, req in enumerate(children)]
-        parent = ParentState(request_id, prompt, prompt_token_ids, params, seqs)
+        parent = ParentState(request_id, prompt, prompt_token_ids, params, seqs, stream=stream)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         self.parents[request_id] = parent
         for seq in seqs:
-            self.child_to_parent[seq.request.request_id] = (parent, seq)
+            child_id = seq.request.request_id
+            self.child_to_parent[child_id] = (parent, seq)
+            if seq.detok is not None or seq.logprobs is not None:
+                self._per_token[child_id] = (parent, seq)
+            if stream:
+                self._streaming_children.add(child_id)
 
     def children_of(self, request_id: str) -> list[Request]:
         parent = self.parents.get(request_id)
@@ -68,21 +86,27 @@ class OutputProcessor:
                 if parent.prompt_logprobs is not None:
                     for j, entry in enumerate(entries):
                         parent.prompt_logprobs[first_pos + j] = self._position_logprobs(entry)
+        per_token = self._per_token
+        if not per_token:
+            return stopped
+        sampled = ro.sampled_token_ids
         for req in changed:
-            entry = self.child_to_parent.get(req.request_id)
+            entry = per_token.get(req.request_id)
             if entry is None:
                 continue
             parent, seq = entry
-            new_token = req.request_id in ro.sampled_token_ids
-            if new_token and seq.logprobs is not None and req.request_id in ro.logprobs:
+            if req.request_id not in sampled:
+                continue
+            if seq.logprobs is not None and req.request_id in ro.logprobs:
                 seq.logprobs.append(self._position_logprobs(ro.logprobs[req.request_id]))
-            if new_token and seq.detok is not None:
+            if seq.detok is not None:
                 token = req.output_token_ids[-1]
-                is_stop_token = req.status.finished and req.stop_reason == token
+                params = parent.params
+                finished = req.is_finished
                 text_before = len(seq.detok.text)
-                if not is_stop_token or parent.params.include_stop_str_in_output:
+                if not (finished and req.stop_reason == token) or params.include_stop_str_in_output:
                     seq.detok.add(token)
-                if not req.is_finished and self._find_stop_string(parent.params, seq, text_before):
+                if not finished and params.stop_strings and self._find_stop_string(params, seq, text_before):
                     stopped.append(req.request_id)
         return stopped
 
@@ -124,46 +148,71 @@ class OutputProcessor:
             parent = self.parents.get(rid)
             if parent is None:
                 continue
-            outputs.append(self._output(parent))
-            if all(s.request.is_finished for s in parent.seqs):
+            finished = all(s.request.is_finished for s in parent.seqs)
+            if not (finished or parent.stream):
+                continue
+            outputs.append(self._output(parent, finished))
+            if finished:
                 self._forget(parent)
         return outputs
 
     def parents_of(self, child_ids: list[str]) -> set[str]:
         return {self.child_to_parent[c][0].request_id for c in child_ids if c in self.child_to_parent}
 
-    def _output(self, parent: ParentState) -> RequestOutput:
-        completions = [self._completion(parent, seq) for seq in parent.seqs]
-        finished = all(s.request.is_finished for s in parent.seqs)
-        errors = [s.request.error for s in parent.seqs if s.request.error]
-        first = parent.seqs[0].request
+    def parents_to_report(self, changed: list[Request]) -> set[str]:
+        """Parents with news for the caller this step: streaming ones that progressed, and every one with
+        a sequence that finished (make_outputs holds a final-only parent back until all its sequences are)."""
+        streaming = self._streaming_children
+        child_to_parent = self.child_to_parent
+        touched = set()
+        running = RequestStatus.RUNNING   # a changed request is running or finished; `is` is cheaper than .finished
+        for req in changed:
+            rid = req.request_id
+            if rid in streaming or req.status is not running:
+                entry = child_to_parent.get(rid)
+                if entry is not None:
+                    touched.add(entry[0].request_id)
+        return touched
+
+    def _output(self, parent: ParentState, finished: bool) -> RequestOutput:
+        seqs = parent.seqs
+        completions = [self._completion(parent, seq, finished) for seq in seqs]
+        error = next((s.request.error for s in seqs if s.request.error), None)
+        first = seqs[0].request
         metrics = {"arrival_time": first.arrival_time}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
+        feature_outputs = first.extras.get("outputs")
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
-            num_cached_tokens=max(first.num_cached_tokens, 0), error=errors[0] if errors else None,
-            metrics=metrics, extras=dict(first.extras.get("outputs", {})))
+            num_cached_tokens=max(first.num_cached_tokens, 0), error=error,
+            metrics=metrics, extras=dict(feature_outputs) if feature_outputs else {})
 
-    def _completion(self, parent: ParentState, seq: SequenceState) -> CompletionOutput:
+    def _completion(self, parent: ParentState, seq: SequenceState, all_finished: bool) -> CompletionOutput:
         req = seq.request
         params = parent.params
-        if seq.detok is None:
+        finished = all_finished or req.is_finished
+        if not params.detokenize:
             text = ""
         elif seq.stop_string is not None:
             text = seq.text
-        elif not req.is_finished and params.stop_strings and not params.include_stop_str_in_output:
+        elif finished:
+            text = self._final_text(params, req)
+        elif seq.detok is None:
+            raise RuntimeError(f"request {req.request_id!r} has no incremental text: it is final-only and "
+                               "unfinished, so it must not be reported yet")
+        elif params.stop_strings and not params.include_stop_str_in_output:
             # Hold back a possible partial stop string so streamed text never has to be retracted.
             hold = max(len(s) for s in params.stop_strings) - 1
             text = seq.detok.text[:len(seq.detok.text) - hold] if hold else seq.detok.text
-        elif req.is_finished:
-            text = self._final_text(params, req)
         else:
             text = seq.detok.text
         stop_reason = seq.stop_string if seq.stop_string is not None else req.stop_reason
-        return CompletionOutput(index=seq.index, text=text, token_ids=list(req.output_token_ids),
-                                logprobs=seq.logprobs, finish_reason=req.finish_reason, stop_reason=stop_reason)
+        # A copy: outputs are cumulative snapshots, and the request keeps appending to its own list.
+        return CompletionOutput(index=seq.index, text=text, token_ids=req.output_token_ids.copy(),
+                                logprobs=seq.logprobs, finish_reason=req.status.value if finished else None,
+                                stop_reason=stop_reason)
 
     def _final_text(self, params: SamplingParams, req: Request) -> str:
         """Decode the whole output once at the end, so bytes of an unfinished UTF-8 character at the
@@ -176,4 +225,7 @@ class OutputProcessor:
     def _forget(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
         for seq in parent.seqs:
-            self.child_to_parent.pop(seq.request.request_id, None)
+            child_id = seq.request.request_id
+            self.child_to_parent.pop(child_id, None)
+            self._per_token.pop(child_id, None)
+            self._streaming_children.discard(child_id)

@@ -62,6 +62,7 @@ class Scheduler:
         # Counters for tests and metrics.
         self.num_steps = 0
         self.total_scheduled_tokens = 0
+        self.total_prompt_tokens = 0     # scheduled tokens of chunks that start inside the prompt
         self.prefix_cache_hit_tokens = 0
         self.num_preemptions = 0
 
@@ -105,36 +106,54 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # Bound methods as locals: this runs once per request per step, for hundreds of requests.
+        append_request = out.requests.append
+        append_scheduled = out.num_scheduled_tokens.append
+        append_computed = out.num_computed_tokens.append
+        append_samples = out.samples.append
+        prompt_tokens = 0
 
-        def add(request: Request, num_tokens: int) -> None:
-            nonlocal budget
-            out.requests.append(request)
-            out.num_scheduled_tokens.append(num_tokens)
-            out.num_computed_tokens.append(request.num_computed_tokens)
-            out.samples.append(request.num_computed_tokens + num_tokens == request.num_tokens)
-            request.num_computed_tokens += num_tokens
+        def add(request: Request, num_computed: int, num_tokens: int) -> None:
+            nonlocal budget, prompt_tokens
+            append_request(request)
+            append_scheduled(num_tokens)
+            append_computed(num_computed)
+            append_samples(num_computed + num_tokens == len(request.all_token_ids))
+            if num_computed < len(request.prompt_token_ids):
+                prompt_tokens += num_tokens
+            request.num_computed_tokens = num_computed + num_tokens
             budget -= num_tokens
 
         # Running requests, highest priority first. Victims of preemption come off the tail, which
         # is never scheduled yet in this step because the list is in priority order.
+        running = self.running
+        kv = self.kv
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
-            if num_new == 0:
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - num_computed
+            if num_new > budget or num_new == 0:
+                num_new = self._num_tokens_to_schedule(request, num_computed, budget)
+                if num_new == 0:
+                    index += 1
+                    continue
+            # Decodes almost always fit in the blocks they hold: allocate_slots answers that quickly.
+            if kv.allocate_slots(request, num_new):
+                add(request, num_computed, num_new)
                 index += 1
                 continue
-            if not self.kv.can_ever_fit(request.num_computed_tokens + num_new):
+            if not kv.can_ever_fit(num_computed + num_new):
                 self._finish_unscheduled(request, self._too_big_message(request))
                 continue   # the list shrank at `index`
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
+            while not kv.allocate_slots(request, num_new):
+                victim = running[-1]
                 self._preempt(victim)
                 out.preempted_request_ids.add(victim.request_id)
                 if victim is request:
                     break
             else:
-                add(request, num_new)
+                add(request, num_computed, num_new)
                 index += 1
 
         # Waiting requests, FCFS; none after a preemption, which would re-admit what was just evicted.
@@ -156,12 +175,13 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             self.prefix_cache_hit_tokens += num_cached
             bisect.insort(self.running, request, key=self._priority)
-            add(request, num_new)
+            add(request, num_cached, num_new)
 
         out.finished_request_ids = self._finished_ids
         self._finished_ids = set()
         self.num_steps += 1
         self.total_scheduled_tokens += out.total_num_scheduled_tokens
+        self.total_prompt_tokens += prompt_tokens
         return out
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
@@ -191,28 +211,34 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[Request]:
-        """Apply one step's results: append sampled tokens, run token-level stop checks, end failed
-        requests. Returns the requests that got a token or finished. Stop strings are the output
-        processor's job (it calls finish_requests)."""
+                           runner_output: ModelRunnerOutput, now: float | None = None) -> list[Request]:
+        """Apply one step's results: append sampled tokens (stamping token times with `now`), run
+        token-level stop checks, end failed requests. Returns the requests that got a token or
+        finished. Stop strings are the output processor's job (it calls finish_requests)."""
         changed: list[Request] = []
+        errors = runner_output.errors
+        sampled = runner_output.sampled_token_ids
+        running = RequestStatus.RUNNING
         for request, samples in zip(scheduler_output.requests, scheduler_output.samples):
-            if request.is_finished:
+            if request.status is not running:
                 continue   # aborted between schedule() and now
-            rid = request.request_id
-            if rid in runner_output.errors:
-                self._finish(request, RequestStatus.FINISHED_ERROR, error=runner_output.errors[rid])
+            if errors and request.request_id in errors:
+                self._finish(request, RequestStatus.FINISHED_ERROR, error=errors[request.request_id])
                 changed.append(request)
                 continue
             if not samples:
                 continue
-            token = runner_output.sampled_token_ids.get(rid)
+            token = sampled.get(request.request_id)
             if token is None:
                 self._finish(request, RequestStatus.FINISHED_ERROR,
                              error="the model runner returned no token for a request that was due to sample")
                 changed.append(request)
                 continue
             request.append_output_token(token)
+            if now is not None:
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                request.last_token_time = now
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)
@@ -223,13 +249,13 @@ class Scheduler:
     def _check_stop(request: Request, token: int) -> RequestStatus | None:
         """Token-level stop conditions, in vLLM's order: length, then (past min_tokens) EOS / stop ids."""
         params = request.sampling_params
-        if request.num_tokens >= request.max_total_tokens:
+        if len(request.all_token_ids) >= request.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < params.min_tokens:
+        if params.min_tokens and len(request.output_token_ids) < params.min_tokens:
             return None
         if token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         return None

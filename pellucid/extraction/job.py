@@ -299,7 +299,7 @@ def extract_hidden_states(llm: Any, data: Any, layers: Any, output_dir: str, gen
 
 def _add_sync(engine: Any, job: ExtractionJob, work: EngineWork) -> None:
     try:
-        engine.add_request(work.request_id, work.token_ids, work.params, work.extras)
+        engine.add_request(work.request_id, work.token_ids, work.params, work.extras, stream=False)
     except ValueError as exc:
         job.rejected(work, str(exc))
 

@@ -106,7 +106,12 @@ def tokenize_sample(raw: RawSample, tokenizer: Any, generate: bool) -> Sample:
     """Token ids (and the loss mask for chat data). With `generate` a conversation is rendered with the
     generation prompt (the response comes from the model), else as it is (its assistant turns included)."""
     if raw.messages is not None:
-        ids, mask = chat_tokens_and_mask(tokenizer, raw.messages, add_generation_prompt=generate)
+        try:
+            ids, mask = chat_tokens_and_mask(tokenizer, raw.messages, add_generation_prompt=generate)
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja errors (a template that rejects a role or their order)
+            raise ValueError(f"the chat template failed on this conversation: {type(exc).__name__}: {exc}") from exc
         return Sample(raw.sample_id, ids, mask, is_chat=True)
     if raw.prompt is not None:
         ids = list(tokenizer(raw.prompt)["input_ids"])

@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the GPU path (RMSNorm, rotary embedding, SiLU-and-mul).
+"""Fused Triton kernels for the GPU path (RMSNorm, rotary embedding, SiLU-and-mul, residual add +
+RMSNorm, Qwen3 q/k norm + rotary).
 
 `pellucid.models.layers` calls them behind its plain torch functions when `fused_kernels_enabled`
 says so for the tensor's device; the CPU always runs the torch code. Set PELLUCID_FUSED_KERNELS=0 to
@@ -22,11 +23,14 @@ def _triton_available() -> bool:
     return True
 
 
-KERNELS = ("rms_norm", "rotary", "silu_and_mul")
-# On by default: the fusions that measured faster (H100, Qwen3-0.6B shape, CUDA-graph decode, batch 1:
-# 4.41 ms/step unfused, 3.02 with rms_norm alone, 3.64 with rotary alone, 4.61 with silu_and_mul alone,
-# which is no gain over noise, so silu_and_mul stays opt-in: PELLUCID_FUSED_KERNELS=all).
-DEFAULT_KERNELS = ("rms_norm", "rotary")
+KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary")
+# Each measured on an H100 (2026-11-23), Qwen3-0.6B shape, bf16, GPU time of one CUDA-graph decode
+# forward at batch 1 / 64 / 256 (pellucid bench latency, "graph forward ms"): none fused 3.98 / 4.90 ms;
+# rms_norm alone 2.52 / 3.15; rotary alone 3.18 / 4.04; silu_and_mul alone 3.94 / 4.85; all three
+# 1.67 / 2.21 / 2.86 against rms_norm + rotary 1.72 / 2.26 / 2.96 (silu_and_mul: 3% on top).
+# add_rms_norm (residual add fused into the next RMSNorm) and qk_norm_rotary (Qwen3 q/k norm fused into
+# rotary) cut launches per decoder layer; benchmarks/gpu_issue4.sh section `merged` measures them.
+DEFAULT_KERNELS = KERNELS
 
 
 @functools.lru_cache(maxsize=8)

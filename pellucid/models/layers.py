@@ -1,12 +1,17 @@
-"""Layers shared by the decoder models: RMSNorm, rotary embedding, the gated SiLU MLP.
+"""Layers shared by the decoder models: RMSNorm, rotary embedding, the gated SiLU MLP, merged projections.
 
 Plain torch with HuggingFace-equivalent numerics. On CUDA (pellucid.kernels.fused_kernels_enabled)
-`rms_norm`, `RotaryEmbedding.forward` and `GatedMLP.forward` run fused Triton kernels that round at
-the same points; the CPU always runs the torch code.
+`rms_norm`, `add_rms_norm`, `RotaryEmbedding.forward`, `qk_norm_rotary` and `GatedMLP.forward` run
+fused Triton kernels that round at the same points; the CPU always runs the torch code.
+
+Fast paths skip module calls (a merged GEMM instead of gate_proj and up_proj, a fused kernel instead of
+act_fn), so each one runs only while `is_observed` says no hook watches the modules it skips; otherwise
+the module-by-module path runs and every HuggingFace site fires with its exact value.
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +22,71 @@ from pellucid.kernels import fused_kernels_enabled
 # "longrope" switch frequencies with the batch's length, which has no per-request meaning in a
 # continuous batch, so they are refused rather than approximated.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def is_observed(*modules: nn.Module) -> bool:
+    """True when a forward (pre-)hook, the module's own or a global one, watches any of `modules`.
+
+    Tracing (pellucid.tracing) observes a site by hooking its module, for eager forwards and CUDA-graph
+    captures alike, so this is the one test every fast path uses before skipping a module call.
+    """
+    from torch.nn.modules import module as module_impl
+    if module_impl._global_forward_hooks or module_impl._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def merged_projections_enabled() -> bool:
+    """PELLUCID_MERGED_PROJ=0 runs q/k/v and gate/up as separate GEMMs (to measure what merging buys)."""
+    setting = os.environ.get("PELLUCID_MERGED_PROJ", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"PELLUCID_MERGED_PROJ must be 0 or 1, got {setting!r}")
+    return setting == "1"
+
+
+class MergedLinear:
+    """Several nn.Linear modules reading one input, stored as row blocks of one weight (and bias).
+
+    Each linear keeps its own Parameter (so `named_parameters()` lists the HuggingFace names and the loader
+    fills them as usual), but that Parameter is a view into the merged storage, so one GEMM computes
+    every output. Not an nn.Module: it adds no site and no parameter name. Whoever owns the linears calls
+    `merge()` again after anything that reallocates parameters (`to`, `to_empty`: see `_apply` overrides).
+    """
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        has_bias = {linear.bias is not None for linear in linears}
+        if len(has_bias) != 1:
+            raise ValueError("merged linears must all have a bias or all have none")
+        self.linears = tuple(linears)
+        self.sizes = [linear.out_features for linear in linears]
+        self.weight = torch.empty(0)
+        self.bias: torch.Tensor | None = None
+        self._pointers: tuple[int, ...] = ()
+        self.merge()
+
+    def merge(self) -> None:
+        """Copy the linears' current values into fresh merged storage and make their parameters views of it."""
+        with torch.no_grad():
+            self.weight = torch.cat([linear.weight for linear in self.linears])
+            self.bias = torch.cat([linear.bias for linear in self.linears]) if self.linears[0].bias is not None \
+                else None
+            offset = 0
+            for linear, size in zip(self.linears, self.sizes):
+                linear.weight = nn.Parameter(self.weight[offset:offset + size], linear.weight.requires_grad)
+                if self.bias is not None:
+                    linear.bias = nn.Parameter(self.bias[offset:offset + size], linear.bias.requires_grad)
+                offset += size
+        self._pointers = self._current_pointers()
+
+    def _current_pointers(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The linears' outputs, as column views of one GEMM's [T, sum(out_features)] result."""
+        if self._current_pointers() != self._pointers:
+            raise RuntimeError("a merged projection's parameters were replaced after merging (their storage moved); "
+                               "call merge() on it after reassigning weights")
+        return list(nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,6 +113,18 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, norm(residual + x)) in one kernel on CUDA, without calling `norm`'s module.
+
+    Callers use it only while `norm` is not observed (`is_observed`); it does not fire norm's hooks.
+    """
+    if fused_kernels_enabled(x, "add_rms_norm"):
+        from pellucid.kernels.add_rms_norm import add_rms_norm as fused_add_rms_norm
+        return fused_add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+    total = residual + x
+    return total, rms_norm(total, norm.weight, norm.variance_epsilon)
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
@@ -51,7 +133,8 @@ class GatedMLP(nn.Module):
     """down_proj(act_fn(gate_proj(x)) * up_proj(x)), the Llama/Qwen/Mistral MLP.
 
     `act_fn` is a module, as in HuggingFace, so `mlp.act_fn` is a traceable site; a fused
-    silu-and-mul kernel must keep that site observable when it is traced.
+    silu-and-mul kernel must keep that site observable when it is traced. gate_proj and up_proj share
+    one merged weight (`gate_up`), so unobserved they cost one GEMM.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
@@ -62,19 +145,24 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **factory)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **factory)
         self.act_fn = nn.SiLU()
+        self.gate_up = MergedLinear([self.gate_proj, self.up_proj])
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "GatedMLP":
+        # `to`, `to_empty`, `half`, ... give each parameter its own new tensor: merge them again.
+        super()._apply(fn, recurse)
+        self.gate_up.merge()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if merged_projections_enabled() and not is_observed(self.gate_proj, self.up_proj):
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         # The fused kernel skips the `act_fn` call, so it runs only while nothing observes that site.
-        if fused_kernels_enabled(x, "silu_and_mul") and not _has_hooks(self.act_fn):
+        if fused_kernels_enabled(x, "silu_and_mul") and not is_observed(self.act_fn):
             from pellucid.kernels.silu_and_mul import silu_and_mul as fused_silu_and_mul
-            return self.down_proj(fused_silu_and_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    from torch.nn.modules import module as module_impl
-    return bool(module._forward_hooks or module._forward_pre_hooks or module_impl._global_forward_hooks
-                or module_impl._global_forward_pre_hooks)
+            return self.down_proj(fused_silu_and_mul(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -148,3 +236,16 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_sin_cache[0].index_select(0, positions)
         sin = self.cos_sin_cache[1].index_select(0, positions)
         return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+
+def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_norm: RMSNorm,
+                   k_norm: RMSNorm, rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_emb(positions, q_norm(query), k_norm(key)); one in-place kernel on CUDA while neither norm
+    is observed. query [T, heads, D] and key [T, kv_heads, D] must be fresh (only this call consumes them)."""
+    if (fused_kernels_enabled(query, "qk_norm_rotary") and not is_observed(q_norm, k_norm)
+            and query.stride(-1) == 1 and key.stride(-1) == 1):
+        from pellucid.kernels.qk_norm_rotary import qk_norm_rotary_inplace
+        qk_norm_rotary_inplace(positions, query, key, q_norm.weight, k_norm.weight, q_norm.variance_epsilon,
+                               k_norm.variance_epsilon, rotary_emb.cos_sin_cache)
+        return query, key
+    return rotary_emb(positions, q_norm(query), k_norm(key))

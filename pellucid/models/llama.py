@@ -4,6 +4,12 @@ Module paths equal HuggingFace's (model.layers.N.self_attn.q_proj, ...), every m
 one tensor in the flat token layout [num_tokens, ...], and a decoder layer returns the residual stream
 HuggingFace reports in `hidden_states[N + 1]`. The forward returns the final normed hidden states;
 the runner applies the LM head (`lm_head`) through pellucid.heads.
+
+Fewer kernels per layer while nothing is traced (each step falls back to the module-by-module code
+when `is_observed` reports a hook on a module it would skip): q/k/v and gate/up each run as one GEMM
+over merged weights; each residual add is fused with the RMSNorm that follows it (the
+post-attention norm, and the next layer's input norm or the final norm); Qwen3's q/k norms are fused
+with rotary.
 """
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ from torch import nn
 
 from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
-from pellucid.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pellucid.models.layers import (GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm, is_observed,
+                                    merged_projections_enabled, qk_norm_rotary)
 from pellucid.models.registry import register_model
 
 
@@ -54,15 +61,28 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, **factory)
         self.rotary_emb = rotary_emb    # shared by all layers; named_modules() lists it once
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx, self.head_dim ** -0.5)
+        self.qkv = MergedLinear([self.q_proj, self.k_proj, self.v_proj])
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "DecoderAttention":
+        # `to`, `to_empty`, `half`, ... give each parameter its own new tensor: merge them again.
+        super()._apply(fn, recurse)
+        self.qkv.merge()
+        return self
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        query = self.q_proj(hidden_states).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if merged_projections_enabled() and not is_observed(self.q_proj, self.k_proj, self.v_proj):
+            query, key, value = self.qkv(hidden_states)
+        else:
+            query, key, value = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        positions = get_forward_context().positions[:num_tokens]
         if self.q_norm is not None and self.k_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary_emb(get_forward_context().positions[:num_tokens], query, key)
+            query, key = qk_norm_rotary(positions, query, key, self.q_norm, self.k_norm, self.rotary_emb)
+        else:
+            query, key = self.rotary_emb(positions, query, key)
         return self.o_proj(self.attn(query, key, value))
 
 
@@ -78,8 +98,30 @@ class DecoderLayer(nn.Module):
                             bool(getattr(hf_config, "mlp_bias", False)), **factory)
 
     def forward(self, residual: torch.Tensor) -> torch.Tensor:
-        residual = residual + self.self_attn(self.input_layernorm(residual))
-        return residual + self.mlp(self.post_attention_layernorm(residual))
+        return self.forward_fused(residual, None, None)[0]
+
+    def forward_fused(self, residual: torch.Tensor, normed: torch.Tensor | None, next_norm: RMSNorm | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer, optionally sharing its boundary norms with its neighbours.
+
+        `normed`: input_layernorm(residual), when the previous layer computed it fused with its last add.
+        `next_norm`: the norm that follows this layer (the next input_layernorm or the final norm); when
+        given, returns (residual stream, next_norm(residual stream)) from one fused add + norm, else
+        (residual stream, None). Fusing across the layer boundary skips calling this module, so the
+        model does it only while neither this layer nor what follows it is observed.
+        """
+        if normed is None:
+            normed = self.input_layernorm(residual)
+        attn_out = self.self_attn(normed)
+        if is_observed(self.post_attention_layernorm):
+            residual = residual + attn_out
+            normed = self.post_attention_layernorm(residual)
+        else:
+            residual, normed = add_rms_norm(attn_out, residual, self.post_attention_layernorm)
+        mlp_out = self.mlp(normed)
+        if next_norm is None:
+            return residual + mlp_out, None
+        return add_rms_norm(mlp_out, residual, next_norm)
 
 
 class DecoderModel(nn.Module):
@@ -97,9 +139,19 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states)
-        return self.norm(hidden_states)
+        normed: torch.Tensor | None = None    # the next layer's input_layernorm output, when fused ahead
+        num_layers = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            following = self.layers[i + 1] if i + 1 < num_layers else None
+            next_norm = following.input_layernorm if following is not None else self.norm
+            if is_observed(layer):
+                # Its hooks must see its real input and output; the previous layer fused nothing into it.
+                hidden_states, normed = layer(hidden_states), None
+            elif is_observed(next_norm) or (following is not None and is_observed(following)):
+                hidden_states, normed = layer.forward_fused(hidden_states, normed, None)
+            else:
+                hidden_states, normed = layer.forward_fused(hidden_states, normed, next_norm)
+        return self.norm(hidden_states) if normed is None else normed
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,6 +1,7 @@
 """Turn a SchedulerOutput into device inputs: token ids, positions, the request map and attention metadata."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,6 +11,10 @@ from pellucid.attention.metadata import CommonAttentionMetadata
 from pellucid.engine.request import Request
 from pellucid.engine.scheduler_output import SchedulerOutput
 from pellucid.runner.buffers import StepBuffers
+
+_all_token_ids = operator.attrgetter("all_token_ids")
+_block_ids = operator.attrgetter("block_ids")
+_sampling_params = operator.attrgetter("sampling_params")
 
 
 @dataclass
@@ -71,26 +76,33 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
 
     input_ids = bufs.input_ids.np
     block_table = bufs.block_table.np
+    requests = so.requests
+    # Per-request gathers go through map/attrgetter so the loops run in C: at a batch of hundreds of
+    # decodes, Python-level per-request work is most of a step's host time.
+    token_lists = list(map(_all_token_ids, requests))
+    if num_tokens == num_reqs:
+        # Decode-only step: one token per request.
+        input_ids[:num_reqs] = list(map(operator.getitem, token_lists, so.num_computed_tokens))
+    else:
+        for tokens, start, n, offset in zip(token_lists, so.num_computed_tokens, so.num_scheduled_tokens,
+                                            qsl[:num_reqs].tolist()):
+            input_ids[offset:offset + n] = tokens[start:start + n]
     # ---- persistent block-table rows (begin) ----
     # A request scheduled at the same row as in the previous step only appends blocks (the KV manager
-    # extends, never rewrites, while it stays scheduled), so only its new block ids are written.
+    # extends, never rewrites, while it stays scheduled), so only rows with a new owner or new blocks
+    # are written; in a steady decode batch that is the few requests whose last block just filled.
     row_owner, row_num_blocks = bufs.row_owner, bufs.row_num_blocks
-    max_blocks = 1
-    for i, (req, start, n, offset) in enumerate(zip(so.requests, so.num_computed_tokens, so.num_scheduled_tokens,
-                                                   qsl[:num_reqs].tolist())):
-        if n == 1:
-            input_ids[offset] = req.all_token_ids[start]
-        else:
-            input_ids[offset:offset + n] = req.all_token_ids[start:start + n]
-        block_ids = req.block_ids
-        nblocks = len(block_ids)
-        written = row_num_blocks[i] if row_owner[i] is req else 0
-        if nblocks > written:
-            block_table[i, written:nblocks] = block_ids[written:] if written else block_ids
-        row_owner[i] = req
-        row_num_blocks[i] = nblocks
-        if nblocks > max_blocks:
-            max_blocks = nblocks
+    block_id_lists = list(map(_block_ids, requests))
+    num_blocks = list(map(len, block_id_lists))
+    max_blocks = max(max(num_blocks, default=1), 1)
+    new_owner = np.fromiter(map(operator.is_not, requests, row_owner), dtype=bool, count=num_reqs)
+    grown = np.fromiter(map(operator.ne, num_blocks, row_num_blocks), dtype=bool, count=num_reqs)
+    for i in np.flatnonzero(new_owner | grown).tolist():
+        written = 0 if new_owner[i] else row_num_blocks[i]
+        if num_blocks[i] > written:
+            block_table[i, written:num_blocks[i]] = block_id_lists[i][written:] if written else block_id_lists[i]
+    row_owner[:num_reqs] = requests
+    row_num_blocks[:num_reqs] = num_blocks
     for i in range(num_reqs, len(row_owner)):
         if row_owner[i] is None:
             break
@@ -113,7 +125,7 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
         bufs.seq_lens.np[num_reqs:padded_reqs] = 0
         bufs.num_computed_tokens.np[num_reqs:padded_reqs] = 0
 
-    sample_requests = [req for req, s in zip(so.requests, so.samples) if s]
+    sample_requests = list(so.requests) if all(so.samples) else [req for req, s in zip(so.requests, so.samples) if s]
     sample_rows_np = bufs.logits_indices.np
     if len(sample_requests) == num_reqs:
         n_sample = num_reqs
@@ -159,7 +171,12 @@ def _block_table_to_device(bufs: StepBuffers, num_reqs: int, max_blocks: int) ->
 
 
 def _prompt_logprob_rows(so: SchedulerOutput, qsl: np.ndarray) -> list[PromptLogprobRows]:
-    out = []
+    out: list[PromptLogprobRows] = []
+    # Requests of one generate() call share a SamplingParams object: check each distinct one once.
+    params = list(map(_sampling_params, so.requests))
+    params_by_id = dict(zip(map(id, params), params))
+    if all(p.prompt_logprobs is None for p in params_by_id.values()):
+        return out
     for i, req in enumerate(so.requests):
         if req.sampling_params.prompt_logprobs is None:
             continue

@@ -123,12 +123,12 @@ class DecodeCudaGraphs:
         if self._graphs:
             raise RuntimeError("CUDA graphs were already captured for this runner")
         self._pool = torch.cuda.graph_pool_handle()
-        reserved_before = torch.cuda.memory_reserved()
         for size in reversed(self.sizes):
             self._graphs[size] = self._capture_one(size, kv_caches)
         self.buffers.invalidate_rows()
-        used = (torch.cuda.memory_reserved() - reserved_before) / 2**20
-        logger.info("captured CUDA graphs for decode batch sizes %s (%.0f MiB)", self.sizes, used)
+        # (No memory figure: torch.cuda.graph empties the allocator's cache on entry, so before/after
+        # differences of reserved or free memory do not measure the graphs' pool.)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def _capture_one(self, size: int, kv_caches: list[torch.Tensor],
                      hooks: Callable[[int], Any] | None = None) -> _CapturedGraph:

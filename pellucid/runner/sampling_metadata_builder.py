@@ -9,6 +9,7 @@ import torch
 
 from pellucid.engine.request import Request
 from pellucid.runner.sampling_metadata import SamplingMetadata
+from pellucid.sampling_params import SamplingParams
 
 # Rows of the packed parameter tensor. top_k travels as float32, capped at 2**24 where float32 is still
 # exact: a larger k exceeds every vocabulary, so it means "no cut" either way.
@@ -40,33 +41,52 @@ def _banned_token_ids(request: Request) -> list[int]:
     return sorted(request.eos_token_ids | set(params.stop_token_ids))
 
 
+def _packed_row(params: SamplingParams) -> tuple[float, ...]:
+    """The request's column of the packed parameter tensor, in _PACKED_FIELDS order."""
+    values = {name: float(getattr(params, name)) for name in _PACKED_FIELDS}
+    values["temperature"] = 0.0 if params.greedy else float(params.temperature)
+    values["top_k"] = float(min(params.top_k, 2**24))
+    return tuple(values[name] for name in _PACKED_FIELDS)
+
+
 def build_sampling_metadata(requests: list[Request], device: torch.device | str) -> SamplingMetadata:
     if not requests:
         raise ValueError("build_sampling_metadata needs at least one request")
     device = torch.device(device)
     params = [r.sampling_params for r in requests]
-    greedy = [p.greedy for p in params]
-    random_params = [p for p, g in zip(params, greedy) if not g]
+    # Requests of one generate() call share a SamplingParams object: per-parameter work runs once per
+    # distinct object, and the per-request loops below run only when some request needs them.
+    param_ids = list(map(id, params))
+    kind_of_row = {pid: k for k, pid in enumerate(dict.fromkeys(param_ids))}   # id(params) -> distinct index
+    by_id = dict(zip(param_ids, params))
+    kinds = [by_id[pid] for pid in kind_of_row]
+    random_params = [p for p in kinds if not p.greedy]
 
-    values = {name: [float(getattr(p, name)) for p in params] for name in _PACKED_FIELDS}
-    values["temperature"] = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
-    values["top_k"] = [float(min(p.top_k, 2**24)) for p in params]
-    packed = torch.tensor([values[name] for name in _PACKED_FIELDS], dtype=torch.float32)
+    # One column per distinct object, spread to the rows with one gather (or a broadcast when all share one).
+    kind_columns = torch.tensor([_packed_row(p) for p in kinds], dtype=torch.float32).t()   # [fields, K]
+    if len(kinds) == 1:
+        packed = kind_columns.expand(len(_PACKED_FIELDS), len(params)).contiguous()        # [fields, R]
+    else:
+        packed = kind_columns[:, torch.tensor([kind_of_row[pid] for pid in param_ids])]
     if device.type == "cuda":
         packed = packed.pin_memory()
     on_device = packed.to(device, non_blocking=True)
 
-    needs_penalties = any(p.needs_penalties for p in params)
+    needs_penalties = any(p.needs_penalties for p in kinds)
     # Rows whose penalties are all neutral get empty histories: the result is the same, the scatter cheaper.
     prompt_ids = [list(r.prompt_token_ids) if r.sampling_params.repetition_penalty != 1.0 else []
                   for r in requests] if needs_penalties else None
     output_ids = [list(r.output_token_ids) if r.sampling_params.needs_penalties else []
                   for r in requests] if needs_penalties else None
 
-    banned = {row: ids for row, r in enumerate(requests) if (ids := _banned_token_ids(r))}
-    generators = {row: _row_generator(r, device) for row, (r, g) in enumerate(zip(requests, greedy))
-                  if r.generator is not None and not g}
-    requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    banned = {}
+    if any(p.min_tokens > 0 for p in kinds):
+        banned = {row: ids for row, r in enumerate(requests) if (ids := _banned_token_ids(r))}
+    generators = {}
+    if any(p.seed is not None and not p.greedy for p in kinds):
+        generators = {row: _row_generator(r, device) for row, r in enumerate(requests)
+                      if r.generator is not None and not r.sampling_params.greedy}
+    requested_logprobs = [p.logprobs for p in kinds if p.logprobs is not None]
 
     return SamplingMetadata(
         temperature=on_device[0],
@@ -76,8 +96,8 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
         presence_penalty=on_device[4],
         frequency_penalty=on_device[5],
         repetition_penalty=on_device[6],
-        all_greedy=all(greedy),
-        all_random=not any(greedy),
+        all_greedy=not random_params,
+        all_random=all(not p.greedy for p in kinds),
         # Filters only matter for rows that sample at random; greedy rows take the argmax regardless.
         no_top_p=all(p.top_p >= 1.0 for p in random_params),
         no_top_k=all(p.top_k == 0 for p in random_params),

@@ -330,7 +330,7 @@ class async_trace:
         self._llm = async_llm
         # Sites are checked by name here and fully by the engine when the requests are added (the
         # probe forward must run on the engine's thread).
-        self._trace = Trace(async_llm._core.model, prompts, sampling_params, None)
+        self._trace = Trace(async_llm.model, prompts, sampling_params, None)
 
     async def __aenter__(self) -> Trace:
         return self._trace

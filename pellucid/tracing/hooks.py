@@ -37,7 +37,7 @@ _MODULES: "weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]]" = weakref
 _warned_heads: set[str] = set()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Traced:
     """One traced request of the step and where its rows are."""
 
@@ -46,6 +46,7 @@ class _Traced:
     num_rows: int
     first_position: int
     sample_index: int | None        # its row among the step's sampling rows, if it samples
+    batch_index: int = 0
 
     def selection(self, op_index: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions, ranks) of this step's rows that the op selects; ranks index the op's selection."""
@@ -76,16 +77,22 @@ class StepTrace:
         self.per_request: dict[Target, list[_Traced]] = {}
         self._graph = False
         self._split_targets()
+        self._graph_key = None if self.per_request else tuple(sorted((t, tap.flags) for t, tap in self.taps.items()))
+        self.requests: list[Any] = []           # the batch's requests, to recognise the next decode step
 
     @classmethod
     def for_step(cls, so: Any, model: nn.Module, runtime: TapRuntime) -> "StepTrace | None":
         """The step's trace, or None when no request in the batch is traced (or all traces failed)."""
+        previous = runtime.last_trace
+        if previous is not None and previous._continues(so):
+            previous._advance()
+            return previous
         traced: list[_Traced] = []
         sample_index = 0
         row = 0
         sample_rows = []
-        for request, samples, n, computed in zip(so.requests, so.samples, so.num_scheduled_tokens,
-                                                 so.num_computed_tokens):
+        for batch_index, (request, samples, n, computed) in enumerate(zip(
+                so.requests, so.samples, so.num_scheduled_tokens, so.num_computed_tokens)):
             if samples:
                 sample_rows.append(row + n - 1)
             plan = request.extras.get(TRACE_KEY) if request.extras else None
@@ -94,19 +101,45 @@ class StepTrace:
                     raise RuntimeError(f"request {request.request_id} carries a trace that was not prepared; "
                                        f"add traced requests through EngineCore.add_request")
                 if not plan.failed:
-                    traced.append(_Traced(plan, row, n, computed, sample_index if samples else None))
+                    traced.append(_Traced(plan, row, n, computed, sample_index if samples else None,
+                                          batch_index))
             sample_index += int(samples)
             row += n
         if not traced:
+            runtime.last_trace = None
             return None
-        return cls(model, traced, np.asarray(sample_rows, dtype=np.int64), row, runtime)
+        trace = cls(model, traced, np.asarray(sample_rows, dtype=np.int64), row, runtime)
+        # A decode step (one row per request) whose next step has the same requests reuses this one.
+        decode = row == len(so.requests)
+        trace.requests = list(so.requests) if decode else []
+        runtime.last_trace = trace if decode else None
+        return trace
+
+    def _continues(self, so: Any) -> bool:
+        """Is `so` the next decode step of exactly this batch (same requests, rows and sampling)?"""
+        requests = so.requests
+        if not self.requests or len(requests) != len(self.requests) or so.total_num_scheduled_tokens != len(requests):
+            return False
+        if any(a is not b for a, b in zip(requests, self.requests)) or not all(so.samples):
+            return False
+        computed = so.num_computed_tokens
+        return all(not t.plan.failed and computed[t.batch_index] == t.first_position + 1 for t in self.traced)
+
+    def _advance(self) -> None:
+        """Move every traced request one position on; forget the last step's per-step state."""
+        for t in self.traced:
+            t.first_position += 1
+        for tap in self.taps.values():
+            for u in tap.users:
+                u.first_position += 1
+        self.sampling_logits = None
 
     def _split_targets(self) -> None:
         """Per addressed module target: the requests that run as a tap, and those that run per request."""
         users: dict[Target, list[TapUser]] = {}
         for t in self.traced:
             plan = t.plan
-            for target in plan.module_targets():
+            for target in plan.module_target_list:
                 if plan.failed:
                     break
                 if target not in plan.tap_programs:
@@ -134,9 +167,7 @@ class StepTrace:
     def graph_key(self) -> tuple[Any, ...] | None:
         """What a graph replaying this step must have captured (the tapped targets and what each
         does), or None when some op needs the per-request path (eager only). () means no module tap."""
-        if self.per_request:
-            return None
-        return tuple(sorted((target, tap.flags) for target, tap in self.taps.items()))
+        return self._graph_key
 
     def capture_hooks(self, size: int) -> Any:
         """Context manager for capturing a graph of `size` rows with this step's taps (static buffers)."""
@@ -214,13 +245,12 @@ class StepTrace:
     # ---- logits and tokens ------------------------------------------------------------------------
     @property
     def has_logit_edits(self) -> bool:
-        return any(not t.plan.failed and any(t.plan.ops[i].edits for i in t.plan.ops_at(LOGITS))
-                   for t in self.traced)
+        return any(t.plan.edits_logits and not t.plan.failed for t in self.traced)
 
     def apply_logits_ops(self, head: Any, hidden: torch.Tensor) -> None:
         """Exact logits for the rows that logits ops select (plus every sampling row when an op edits
         logits, so the edit reaches the sampler), then the ops on them."""
-        users = [t for t in self.traced if not t.plan.failed and t.plan.ops_at(LOGITS)]
+        users = [t for t in self.traced if t.plan.has_logits_ops and not t.plan.failed]
         if not users:
             return
         edits = self.has_logit_edits
@@ -252,7 +282,7 @@ class StepTrace:
     def record_tokens(self, sampled_token_ids: torch.Tensor) -> None:
         """`tokens` saves: the id sampled at the request's last row this step, stored at that row's position."""
         for t in self.traced:
-            if t.sample_index is None or t.plan.failed:
+            if t.sample_index is None or not t.plan.has_tokens_ops or t.plan.failed:
                 continue
             position = t.first_position + t.num_rows - 1
             for op_index in t.plan.ops_at(TOKENS):

@@ -44,6 +44,8 @@ class TracePlan:
         self.sites: list[SiteInfo] = []               # per op: the site it addresses
         self.by_target: dict[tuple[str, str], list[int]] = {}
         self.limit = 0                                # positions 0 .. limit - 1 are computed
+        self.module_target_list: list[tuple[str, str]] = []
+        self.has_logits_ops = self.has_tokens_ops = self.edits_logits = False
         # Per target: the tap program (taps.py), or None where the per-request path runs; built lazily.
         self.tap_programs: dict[tuple[str, str], Any] = {}
         # Per save name: the (positions, rows, start) chunks recorded, in recording order (see record_save).
@@ -92,6 +94,11 @@ class TracePlan:
             plan.sites.append(site)
             plan.by_target.setdefault((op.site, op.point), []).append(i)
         plan.saves = {name: [] for name in plan.save_names.values()}
+        # Looked up for every traced request at every step: computed once here.
+        plan.module_target_list = plan.module_targets()
+        plan.has_logits_ops = bool(plan.ops_at(LOGITS))
+        plan.has_tokens_ops = bool(plan.ops_at(TOKENS))
+        plan.edits_logits = any(plan.ops[i].edits for i in plan.ops_at(LOGITS))
         return plan
 
     def module_targets(self) -> list[tuple[str, str]]:
@@ -100,14 +107,17 @@ class TracePlan:
     def ops_at(self, site: str, point: str = "output") -> list[int]:
         return self.by_target.get((site, point), [])
 
-    def record_save(self, op_index: int, positions: np.ndarray, rows: torch.Tensor, start: int | None = None) -> None:
+    def record_save(self, op_index: int, positions: np.ndarray | int, rows: torch.Tensor,
+                    start: int | None = None) -> None:
         """Store a chunk of copied rows (row j at positions[j]); with `start`, the rows are
         rows[start:start + len(positions)] of a chunk shared with other requests of the step (a tap's
         one copy for all its rows), sliced when the saves are assembled. Chunks are kept whole, not
         split per position (a per-row Python loop costs ~1 us x tokens x saves per step, which
         extraction of long prompts feels); a position recorded again (recomputed after preemption)
         replaces the earlier row when the saves are assembled, so it is never duplicated."""
-        self.saves[self.save_names[op_index]].append((np.asarray(positions, dtype=np.int64), rows, start))
+        if not isinstance(positions, int):      # an int (one row) stays unboxed until finalize
+            positions = np.asarray(positions, dtype=np.int64)
+        self.saves[self.save_names[op_index]].append((positions, rows, start))
 
     def fail(self, op_index: int, exc: BaseException) -> None:
         op = self.ops[op_index]
@@ -130,8 +140,8 @@ class TracePlan:
                 saves[name] = torch.empty((0, *site.shape), dtype=site.dtype)
                 positions[name] = []
                 continue
-            recorded = np.concatenate([p for p, _, _ in chunks])
-            parts = [r if start is None else r[start:start + p.size] for p, r, start in chunks]
+            recorded = np.concatenate([np.atleast_1d(p) for p, _, _ in chunks]).astype(np.int64)
+            parts = [r if start is None else r[start:start + np.size(p)] for p, r, start in chunks]
             rows = parts[0] if len(parts) == 1 else torch.cat(parts)
             # For each distinct position (sorted), the row recorded last.
             order, first_in_reversed = np.unique(recorded[::-1], return_index=True)
@@ -139,12 +149,25 @@ class TracePlan:
             if not np.array_equal(last, np.arange(recorded.size)):
                 rows = rows[torch.as_tensor(last, device=rows.device)]
             shared = rows is parts[0] and chunks[0][2] is not None
-            rows = rows.to("cpu")
+            rows = _to_host(rows)
             # A slice of a step's shared chunk must not alias other requests' saves (saves are copies).
             saves[name] = rows.clone() if shared and rows.data_ptr() == parts[0].data_ptr() else rows
             positions[name] = order.tolist()
+        if any(t.is_pinned() for t in saves.values()):
+            torch.cuda.current_stream().synchronize()     # completes _to_host's non-blocking copies
         self.saves = {}
         return {"saves": saves, "save_positions": positions}
+
+
+def _to_host(rows: torch.Tensor) -> torch.Tensor:
+    """CPU copy of a save. Device tensors go through pinned memory (PyTorch caches those buffers): a
+    pageable copy runs at a fraction of the bandwidth and stalls the step loop on large saves (hidden-
+    state extraction moves tens of MB per request). The caller synchronizes the stream afterwards."""
+    if rows.device.type != "cuda":
+        return rows.to("cpu")
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    return host
 
 
 def _save_names(ops: list[Op]) -> dict[int, str]:

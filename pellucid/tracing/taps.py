@@ -54,6 +54,18 @@ class TapProgram:
     value_ops: list[int]                    # op indices carrying a value
     pre_saves: list[tuple[int, np.ndarray]] = field(default_factory=list)    # (op index, bool mask)
     post_saves: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    # Filled by _pack for the per-step copy: [size, 3] (keep, scale, coef); the value row within this
+    # program's own forms (0 where no value) and whether there is one (0 / 1).
+    params: np.ndarray = field(default_factory=lambda: np.empty((0, 3), np.float32))
+    value_local: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    has_value: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    forms: dict[torch.device, tuple[tuple[int, ...], list[torch.Tensor]]] = field(default_factory=dict)
+
+    def _pack(self, value_rows: list[int]) -> None:
+        self.params = np.ascontiguousarray(np.stack([self.keep, self.scale, self.coef], axis=1))
+        self.has_value = (self.value_slot < len(self.value_ops)).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(value_rows)]).astype(np.int64)
+        self.value_local = np.where(self.has_value == 1, starts[self.value_slot] + self.value_rank, 0)
 
     @property
     def flags(self) -> tuple[bool, bool, bool]:
@@ -107,6 +119,8 @@ def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | N
             if _value_has_rows(plan, i):
                 program.value_rank[plan.selected[i][plan.selected[i] < size]] = np.arange(
                     int(np.sum(plan.selected[i] < size)))
+    program._pack([getattr(plan.ops[i], plan.ops[i].value_field).shape[0] if _value_has_rows(plan, i) else 1
+                   for i in value_indices])
     return program
 
 
@@ -139,6 +153,12 @@ def _check_value(plan: TracePlan, op_index: int) -> None:
                          f"broadcasts to it)")
 
 
+def _program_forms(plan: TracePlan, program: TapProgram, device: torch.device) -> tuple[tuple[int, ...], list[torch.Tensor]]:
+    forms = [table_form(plan, i, device) for i in program.value_ops]
+    program.forms[device] = (tuple(id(f) for f in forms), forms)
+    return program.forms[device]
+
+
 def table_form(plan: TracePlan, op_index: int, device: torch.device) -> torch.Tensor:
     """The op's value as [rows, *site_shape] in the site's dtype on `device` (cached per user tensor)."""
     op = plan.ops[op_index]
@@ -157,7 +177,7 @@ def table_form(plan: TracePlan, op_index: int, device: torch.device) -> torch.Te
 
 
 # ---- one step ---------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class TapUser:
     """A traced request whose ops at a target run as a tap this step."""
 
@@ -199,6 +219,7 @@ class TapRuntime:
         self.device = device
         self.host: dict[Target, _HostBuffers] = {}
         self.static: dict[Target, _StaticBuffers] = {}
+        self.last_trace: Any = None     # the last decode step's StepTrace, reused by the next one (hooks.py)
         # Per target: (key of the value forms, the step's value table, the forms it was built from).
         self.tables: dict[Target, tuple[tuple[Any, ...], torch.Tensor, list[torch.Tensor]]] = {}
 
@@ -213,11 +234,11 @@ class TapRuntime:
         return self.static[target]
 
 
-@dataclass
+@dataclass(slots=True)
 class _SaveRecord:
     plan: TracePlan
     op_index: int
-    positions: np.ndarray
+    positions: np.ndarray | int      # an int for one row (decode), kept unboxed: this runs per row
     start: int                # first row of this request in the stage's saved chunk
 
 
@@ -225,26 +246,106 @@ class _Stage:
     """The rows one save stage (before / after the edit) copies this step, and who they belong to."""
 
     def __init__(self) -> None:
-        self.rows: list[np.ndarray] = []
+        self.rows: list[int] = []
         self.records: list[_SaveRecord] = []
         self.count = 0
         self.index: torch.Tensor | None = None
 
-    def add(self, plan: TracePlan, op_index: int, rows: np.ndarray, positions: np.ndarray) -> None:
-        self.rows.append(rows)
+    def add(self, plan: TracePlan, op_index: int, rows: np.ndarray | int, positions: np.ndarray | int) -> None:
         self.records.append(_SaveRecord(plan, op_index, positions, self.count))
-        self.count += rows.size
+        if isinstance(rows, int):
+            self.rows.append(rows)
+            self.count += 1
+        else:
+            self.rows.extend(rows.tolist())
+            self.count += rows.size
 
     def finish_host(self, device: torch.device) -> None:
         if self.count:
-            rows = np.concatenate(self.rows) if len(self.rows) > 1 else self.rows[0]
-            self.index = torch.from_numpy(rows).to(device, non_blocking=True) if device.type != "cpu" \
-                else torch.from_numpy(rows)
+            host = torch.tensor(self.rows, dtype=torch.int64)
+            # Pinned (from the caching host allocator) so the copy is truly asynchronous.
+            self.index = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
     def record(self, chunk: torch.Tensor) -> None:
         for r in self.records:
             if not r.plan.failed:       # a request that failed earlier in this forward keeps no saves
                 r.plan.record_save(r.op_index, r.positions, chunk, r.start)
+
+
+class _DecodeStage:
+    """A save stage of a decode step: one row per hit (user, save op) pair, recorded with no per-row numpy."""
+
+    def __init__(self, rows: np.ndarray, lists: list[list[Any]], positions: list[int], device: torch.device) -> None:
+        self.count = rows.size
+        self.lists, self.positions = lists, positions
+        self.index = None
+        if self.count:
+            host = torch.from_numpy(rows)
+            self.index = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+    def record(self, chunk: torch.Tensor) -> None:
+        # Straight into each plan's save list (TracePlan.record_save's format): a failed plan has swapped
+        # in a fresh dict, so whatever lands in its old list is dropped with it.
+        for k, (saves, position) in enumerate(zip(self.lists, self.positions)):
+            saves.append((position, chunk, k))
+
+
+class _DecodeLayout:
+    """Every user has one row (a decode step): their programs concatenated once, so that filling a step is
+    a few numpy gathers over all users instead of work per user."""
+
+    def __init__(self, tap: "TargetTap", runtime: TapRuntime) -> None:
+        users = tap.users
+        progs = [u.program for u in users]
+        lengths = np.array([p.params.shape[0] for p in progs], dtype=np.int64)
+        self.bases = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self.rows = np.array([u.row_start for u in users], dtype=np.int64)
+        self.params = np.concatenate([p.params for p in progs])
+        self.value_local = np.concatenate([p.value_local for p in progs])
+        self.has_value = np.concatenate([p.has_value for p in progs])
+        # Value table rows: fixed while the same users stay (one start per distinct set of forms).
+        self.tables: list[torch.Tensor] = []
+        self.starts = np.zeros(len(users), dtype=np.int64)
+        table_rows: dict[tuple[int, ...], int] = {}
+        next_row = 1
+        for i, u in enumerate(users):
+            if u.program.edits and u.program.value_ops:
+                key, forms = u.program.forms.get(runtime.device) or _program_forms(u.plan, u.program, runtime.device)
+                if key not in table_rows:
+                    table_rows[key] = next_row
+                    self.tables.extend(forms)
+                    next_row += sum(f.shape[0] for f in forms)
+                self.starts[i] = table_rows[key]
+        self.stages = {}
+        for name in ("pre_saves", "post_saves"):
+            pairs = [(i, u.plan.saves[u.plan.save_names[op_index]], mask)
+                     for i, u in enumerate(users) for op_index, mask in getattr(u.program, name)]
+            masks = [m for _, _, m in pairs]
+            mask_lengths = np.array([m.size for m in masks], dtype=np.int64)
+            self.stages[name] = (np.array([i for i, _, _ in pairs], dtype=np.int64),
+                                 [lst for _, lst, _ in pairs],
+                                 np.concatenate(masks) if masks else np.zeros(0, dtype=bool),
+                                 np.concatenate([[0], np.cumsum(mask_lengths)[:-1]]).astype(np.int64))
+
+    def fill(self, tap: "TargetTap", runtime: TapRuntime, num_rows: int) -> None:
+        positions = np.fromiter((u.first_position for u in tap.users), dtype=np.int64, count=len(tap.users))
+        stages = []
+        for name in ("pre_saves", "post_saves"):
+            pair_user, lists, mask_flat, mask_bases = self.stages[name]
+            hit = np.flatnonzero(mask_flat[mask_bases + positions[pair_user]]) if pair_user.size else pair_user
+            users = pair_user[hit]
+            stages.append(_DecodeStage(self.rows[users], [lists[j] for j in hit.tolist()],
+                                       positions[users].tolist(), runtime.device))
+        tap.pre, tap.post = stages
+        if not tap.edits:
+            return
+        host = runtime.host_buffers(tap.target)
+        index = self.bases + positions
+        host.params_np[:num_rows] = (1.0, 1.0, 0.0)
+        host.value_index_np[:num_rows] = 0
+        host.params_np[self.rows] = self.params[index]
+        host.value_index_np[self.rows] = self.value_local[index] + self.starts * self.has_value[index]
+        tap.table = tap._value_table(runtime, self.tables)
 
 
 class TargetTap:
@@ -260,7 +361,9 @@ class TargetTap:
         self.keep: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.add: torch.Tensor | None = None
+        self.table: torch.Tensor | None = None
         self.num_rows = 0
+        self._decode: _DecodeLayout | None = None     # built on the first all-decode step, kept while reused
 
     @property
     def flags(self) -> tuple[bool, bool, bool]:
@@ -271,10 +374,26 @@ class TargetTap:
         """Fill the host arrays from each user's program slices, copy once, build keep / scale / add."""
         self.num_rows = num_rows
         device = runtime.device
+        if all(u.num_rows == 1 for u in self.users):
+            if self._decode is None:
+                self._decode = _DecodeLayout(self, runtime)
+            self._decode.fill(self, runtime, num_rows)
+        else:
+            self._fill_per_user(runtime, num_rows)
+        if self.edits:
+            self._to_device(runtime, num_rows, static)
+
+    def _fill_per_user(self, runtime: TapRuntime, num_rows: int) -> None:
+        device = runtime.device
+        self.pre, self.post = _Stage(), _Stage()
         for u in self.users:
             p0, r0, n = u.first_position, u.row_start, u.num_rows
             for stage, saves in ((self.pre, u.program.pre_saves), (self.post, u.program.post_saves)):
                 for op_index, mask in saves:
+                    if n == 1:      # decode: one row
+                        if mask[p0]:
+                            stage.add(u.plan, op_index, r0, p0)
+                        continue
                     hit = np.flatnonzero(mask[p0:p0 + n])
                     if hit.size:
                         stage.add(u.plan, op_index, hit + r0, hit + p0)
@@ -287,29 +406,28 @@ class TargetTap:
         params[:num_rows] = (1.0, 1.0, 0.0)
         value_index[:num_rows] = 0
         tables: list[torch.Tensor] = []
-        table_rows: dict[int, int] = {}         # id(table form) -> its first row in the step's table
-        next_row = 1                            # row 0: zeros, for rows without a value
+        table_rows: dict[tuple[int, ...], int] = {}     # a program's forms -> their first row in the table
+        next_row = 1                                    # row 0: zeros, for rows without a value
         for u in self.users:
             prog = u.program
             if not prog.edits:
                 continue
-            p, r = slice(u.first_position, u.first_position + u.num_rows), slice(u.row_start, u.row_start + u.num_rows)
-            params[r, 0] = prog.keep[p]
-            params[r, 1] = prog.scale[p]
-            params[r, 2] = prog.coef[p]
+            p0, r0, n = u.first_position, u.row_start, u.num_rows
+            params[r0:r0 + n] = prog.params[p0:p0 + n]
             if prog.value_ops:
-                offsets = np.zeros(len(prog.value_ops) + 1, dtype=np.int64)
-                for k, op_index in enumerate(prog.value_ops):
-                    form = table_form(u.plan, op_index, device)
-                    start = table_rows.get(id(form))
-                    if start is None:
-                        start = table_rows[id(form)] = next_row
-                        tables.append(form)
-                        next_row += form.shape[0]
-                    offsets[k] = start
-                slots = prog.value_slot[p]
-                value_index[r] = np.where(slots < len(prog.value_ops), offsets[slots] + prog.value_rank[p], 0)
-        table = self._value_table(runtime, tables)
+                key, forms = prog.forms.get(device) or _program_forms(u.plan, prog, device)
+                start = table_rows.get(key)
+                if start is None:
+                    start = table_rows[key] = next_row
+                    tables.extend(forms)
+                    next_row += sum(f.shape[0] for f in forms)
+                value_index[r0:r0 + n] = prog.value_local[p0:p0 + n] + start * prog.has_value[p0:p0 + n]
+        self.table = self._value_table(runtime, tables)
+
+    def _to_device(self, runtime: TapRuntime, num_rows: int, static: _StaticBuffers | None) -> None:
+        device = runtime.device
+        host = runtime.host_buffers(self.target)
+        table = self.table
         params_dev = _to_device(host.params[:num_rows], device)
         index_dev = _to_device(host.value_index[:num_rows], device)
         ones = (1,) * len(self.shape)

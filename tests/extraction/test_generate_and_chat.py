@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from pellucid import LLM, SamplingParams
-from pellucid.extraction import HiddenStatesDataset
+from pellucid.extraction import ExtractionError, HiddenStatesDataset
 from pellucid.extraction.samples import chat_tokens_and_mask
 from pellucid.tiny_models import CHAT_TEMPLATE
 from tests.extraction.conftest import TOLERANCE, expected_states, random_prompts, relative_error
@@ -123,3 +123,13 @@ def test_mixed_data_forms(make_ext_llm, tmp_path):
     assert items["2"]["loss_mask"].any() and items["2"]["prompt_length"] == len(items["2"]["input_ids"])
     with pytest.raises(ValueError, match="one conversation"):
         llm.extract_hidden_states(CONVERSATIONS[0], layers=LAYERS, output_dir=str(tmp_path / "x"), progress=False)
+
+
+def test_conversation_the_template_rejects(make_ext_llm, tmp_path):
+    llm = make_ext_llm("llama")
+    data = [{"id": "bad", "messages": [{"role": "tool", "content": "x"}]}, {"id": "ok", "prompt": "Hello"}]
+    with pytest.raises(ExtractionError, match="'bad'.*chat template failed.*unsupported chat role"):
+        llm.extract_hidden_states(data, layers=LAYERS, output_dir=str(tmp_path), progress=False)
+    summary = llm.extract_hidden_states(data, layers=LAYERS, output_dir=str(tmp_path), progress=False,
+                                        skip_invalid=True)
+    assert list(summary.invalid) == ["bad"] and summary.num_samples == 1

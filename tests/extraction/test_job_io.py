@@ -197,3 +197,26 @@ def test_duplicate_ids_are_refused(llm, tmp_path):
     records = [{"id": "a", "prompt": "hello"}, {"id": "a", "prompt": "world"}]
     with pytest.raises(ValueError, match="appears twice"):
         llm.extract_hidden_states(records, layers=LAYERS, output_dir=str(tmp_path), progress=False)
+
+
+def test_written_files_load_with_safetensors_itself(tmp_path):
+    """The writer lays out safetensors bytes itself (no serialized copy); safetensors must read them back
+    bit for bit, for every dtype a sample uses."""
+    from safetensors.torch import load_file
+
+    from pellucid.extraction.writer import atomic_write, safetensors_parts
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"hidden_states": torch.randn(7, 3, 5, generator=gen).to(torch.bfloat16),
+               "h16": torch.randn(2, 3, generator=gen).half(), "h32": torch.randn(4, generator=gen),
+               "input_ids": torch.randint(0, 500, (7,), generator=gen), "prompt_length": torch.tensor(4),
+               "loss_mask": torch.rand(7, generator=gen) > 0.5, "empty": torch.empty(0, 5)}
+    path = str(tmp_path / "x.safetensors")
+    atomic_write(path, safetensors_parts(tensors, {"k": "v"}))
+    loaded = load_file(path)
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
+        assert torch.equal(loaded[name], tensor)
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"k": "v"}

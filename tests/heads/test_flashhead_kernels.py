@@ -63,7 +63,8 @@ CHECK = textwrap.dedent("""
             w[1, 1] = w[2, 0]
             chosen[:, :2] = torch.tensor([1, 2], device=device)
             state = k.greedy_state(rows, device)
-            k.select_triton(keys[:, :37], 5, num_warps=4, state=state)
+            k.stage1_triton(h, cent, None, None, block_c=16, block_h=16, state=state)
+            assert bool((state[0] == torch.iinfo(torch.int64).min).all()) and int(state[1].abs().sum()) == 0
             tokens = k.stage2_greedy_triton(h, w, ids, chosen, state, block_p=2, block_h=16)
             assert torch.equal(tokens, k.argmax_tokens(*ref_stage2(h, w, ids, chosen))), ("greedy", dtype)
             for probes in (3, 37):

@@ -3,7 +3,7 @@
 Stage 2 reads p * S rows of the head per row of the batch (rows rarely share clusters), so its traffic
 grows with the batch while the dense head reads the whole matrix once: above some batch size the dense
 head is faster. Where that happens depends on V, H, C, S, p and the GPU, so it is timed, not assumed:
-greedy FlashHead against dense logits + argmax at batch 1, 2, 4, ... until the dense head wins.
+greedy FlashHead against dense logits + argmax at batch 1, 2, 4, ... until the dense head wins (GPU time of CUDA-graph replays).
 """
 from __future__ import annotations
 
@@ -15,20 +15,31 @@ import torch
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def time_us(fn: Callable[[], object], calls: int = 10, groups: int = 5) -> float:
-    """Median over `groups` of the mean time of `calls` back-to-back calls, by CUDA events (after warmup,
-    which also compiles the kernels for this shape)."""
-    for _ in range(3):
+def time_us(fn: Callable[[], object], replays: int = 10, groups: int = 5) -> float:
+    """GPU microseconds per call: median over `groups` of the mean of `replays` CUDA-graph replays. GPU
+    time, not eager time: in a decode step the head's launches overlap the model's forward still running
+    on the GPU, so what the step pays is the head's GPU time (eager timing at batch 1 measures launches)."""
+    for _ in range(3):      # compiles the kernels for this shape
         fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     samples = []
     for _ in range(groups):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            fn()
+        for _ in range(replays):
+            graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / calls)
+        samples.append(start.elapsed_time(end) * 1000.0 / replays)
+    del graph
     return statistics.median(samples)
 
 

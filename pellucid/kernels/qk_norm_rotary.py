@@ -1,0 +1,84 @@
+"""Qwen3's per-head query/key RMSNorm followed by rotary embedding, in place, in one launch.
+
+One program per token normalises every query and key head over head_dim (HF RMSNorm rounding: the
+normed row is rounded to the activation dtype, then scaled by the weight and rounded again), then
+rotates it (neox / rotate_half layout) with the rounding of pellucid.kernels.rotary. Query and key may
+be strided views into one fused qkv projection output; only the head dim must be contiguous.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rotate_heads(x_ptr, weight_ptr, stride_t, stride_h, token, num_heads, eps, cos, sin, offs_h, offs_d,
+                       d_mask, HALF: tl.constexpr):
+    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
+    base = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+    inv = tl.rsqrt(variance + eps)[:, None]
+    w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    n1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    n2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    out1 = (n1 * cos).to(dtype).to(tl.float32) + (-(n2 * sin)).to(dtype).to(tl.float32)
+    out2 = (n2 * cos).to(dtype).to(tl.float32) + (n1 * sin).to(dtype).to(tl.float32)
+    tl.store(base, out1.to(dtype), mask=mask)
+    tl.store(base + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr,
+                           stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs_kind, stride_cs_pos,
+                           num_q_heads, num_k_heads, q_eps, k_eps,
+                           HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                           BLOCK_HK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + stride_cs_kind + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
+    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    _norm_rotate_heads(q_ptr, q_weight_ptr, stride_q_t, stride_q_h, token, num_q_heads, q_eps, cos, sin,
+                       tl.arange(0, BLOCK_HQ), offs_d, d_mask, HALF)
+    _norm_rotate_heads(k_ptr, k_weight_ptr, stride_k_t, stride_k_h, token, num_k_heads, k_eps, cos, sin,
+                       tl.arange(0, BLOCK_HK), offs_d, d_mask, HALF)
+
+
+def qk_norm_rotary_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                           q_weight: torch.Tensor, k_weight: torch.Tensor, q_eps: float, k_eps: float,
+                           cos_sin_cache: torch.Tensor) -> None:
+    """query [T, heads, D], key [T, kv_heads, D]: rms_norm each head (weights [D]), then rotate, in place.
+
+    cos_sin_cache: [2, max_positions, D] float32 (row 0 cos, row 1 sin; both halves equal).
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    if key.dim() != 3 or key.shape[0] != num_tokens or key.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} do not fit qk norm + rotary")
+    if query.dtype != key.dtype or query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError("qk_norm_rotary_inplace needs query and key of one dtype with the head dim contiguous")
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,) or q_weight.dtype != query.dtype \
+            or k_weight.dtype != query.dtype:
+        raise ValueError(f"q/k norm weights must be [{head_dim}] in {query.dtype}, got {tuple(q_weight.shape)} "
+                         f"{q_weight.dtype} and {tuple(k_weight.shape)} {k_weight.dtype}")
+    if cos_sin_cache.stride(-1) != 1 or positions.shape[0] < num_tokens:
+        raise ValueError("qk_norm_rotary_inplace needs a contiguous cos/sin table and one position per token")
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _qk_norm_rotary_kernel[(num_tokens,)](
+        query, key, q_weight, k_weight, cos_sin_cache, positions,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        cos_sin_cache.stride(0), cos_sin_cache.stride(1), num_q_heads, key.shape[1], q_eps, k_eps,
+        HALF=half, BLOCK_D=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(key.shape[1]),
+        num_warps=4)
