@@ -11,6 +11,9 @@ LLM.generate does: outputs only when a request finishes) and `stream` (AsyncLLM 
 cumulative output every step). `--gpu-ms X` makes the stubbed step behave like an asynchronous device:
 the forward returns at once and the sampled-token readback waits until X ms after the forward was
 launched, so host work done between launch and readback is hidden, as it would be on a GPU.
+`--async-scheduling` (the default here, as on CUDA) launches step N+1 before step N's outputs are
+processed, so detokenization and output building run inside that window too; `--no-async-scheduling`
+measures the serial step.
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ class StubModel(torch.nn.Module):
         return self.hidden[: input_ids.shape[0]]
 
 
-def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, device_ms: float):
+def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, device_ms: float,
+                 async_scheduling: bool):
     from pellucid.config import EngineConfig
     from pellucid.engine.engine_core import EngineCore
     from pellucid.sampling_params import SamplingParams
@@ -52,7 +56,7 @@ def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, dev
     max_len = prompt_len + output_len + 8
     config = EngineConfig.from_kwargs(model_dir, device="cpu", max_num_seqs=batch, max_model_len=max_len,
                                       max_num_batched_tokens=max(batch * prompt_len, 2048),
-                                      num_kv_blocks=batch * (max_len // 16 + 2))
+                                      num_kv_blocks=batch * (max_len // 16 + 2), async_scheduling=async_scheduling)
     core = EngineCore(config)
     stub = StubModel(core.runner.model, config.scheduler.max_num_batched_tokens, device_ms)
     core.runner.model = stub
@@ -97,7 +101,7 @@ class PhaseTimer:
 
 
 def measure(args: argparse.Namespace, stream: bool) -> tuple[dict[str, float], list[float]]:
-    core = build_engine(args.batch, args.prompt_len, args.steps + 20, stream, args.gpu_ms)
+    core = build_engine(args.batch, args.prompt_len, args.steps + 20, stream, args.gpu_ms, args.async_scheduling)
     # Prefill every request first; then time decode steps only.
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.num_waiting:
         core.step()
@@ -106,7 +110,8 @@ def measure(args: argparse.Namespace, stream: bool) -> tuple[dict[str, float], l
     assert core.scheduler.num_running == args.batch, f"only {core.scheduler.num_running} requests running"
     phases = PhaseTimer()
     phases.wrap(core.scheduler, "schedule", "schedule")
-    phases.wrap(core.runner, "execute", "runner.execute (batch build, metadata, head, sampler, readback)")
+    phases.wrap(core.runner, "launch", "runner.launch (batch build, metadata, forward, head, sampler)")
+    phases.wrap(core.runner, "collect", "runner.collect (readback wait, token dicts)")
     phases.wrap(core.runner.head, "sample", "  of which head.sample (LM head matmul + argmax: device work on a GPU)")
     phases.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
     phases.wrap(core.outputs, "process_tokens", "outputs.process_tokens (detokenize, stops)")
@@ -135,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="final,stream", help="comma-separated: final, stream")
     parser.add_argument("--gpu-ms", type=float, default=0.0,
                         help="stand-in device time per step, waited for at the token readback")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="launch step N+1 before processing step N's outputs (the CUDA default)")
     parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {phase} | " + " | ".join(f"{results[m][0].get(phase, 0.0):.3f}" for m in modes) + " |")
     print("| whole step (mean) | " + " | ".join(f"{statistics.mean(results[m][1]) * 1e3:.3f}" for m in modes) + " |\n")
     device = f", stand-in device {args.gpu_ms:g} ms/step" if args.gpu_ms else ", forward stubbed"
+    device += ", async scheduling" if args.async_scheduling else ", serial"
     print("| workload | mode | figure | target |\n| --- | --- | --- | --- |")
     for m in modes:
         times = sorted(results[m][1])

@@ -4,6 +4,8 @@ request adding a steering vector at one layer, measured in the same run.
     python benchmarks/tracing_bench.py [--model DIR] [--device auto] [--num-prompts 32] [--output-len 64]
                                        [--repeats 3] [--layer N]
 
+The prefix cache is off unless --enable-prefix-caching: the repeats resend the same prompts, and only
+untraced requests read the cache (a traced request computes every prompt position itself).
 Prints output tokens/s (median of --repeats; the three workloads are interleaved within each repeat)
 and the ratio to untraced. Without --model it uses the embedded default model (random weights).
 On a GPU, decode steps whose ops are all taps (save, add, ... ; pellucid/tracing/taps.py) replay CUDA
@@ -51,9 +53,13 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=None, help="layer to trace (default: the middle one)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no CUDA graphs for any step (separates the cost of eager steps from that of tracing)")
+    ap.add_argument("--enable-prefix-caching", action="store_true",
+                    help="keep the prefix cache on; off by default because every repeat sends the same prompts, so "
+                         "untraced requests would skip their prefill from the cache while traced ones never read it")
     args = ap.parse_args()
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=args.enable_prefix_caching)
     hf_config = llm.engine.hf_config
     layer = args.layer if args.layer is not None else hf_config.num_hidden_layers // 2
     site = f"model.layers.{layer}"
@@ -77,7 +83,8 @@ def main() -> None:
         f"CPU, {torch.get_num_threads()} threads"
     print(f"\nworkload: {args.num_prompts} prompts of 32-128 tokens, {args.output_len} output tokens each, greedy; "
           f"model {llm.engine.model_name} ({llm.engine.dtype}); {device}; median of {args.repeats}"
-          f"{'; enforce_eager' if args.enforce_eager else ''}")
+          f"{'; enforce_eager' if args.enforce_eager else ''}"
+          f"; prefix caching {'on' if args.enable_prefix_caching else 'off'}")
     print(f"{'workload':<40}{'output tok/s':>14}{'vs untraced':>13}")
     for name, value in medians.items():
         print(f"{name:<40}{value:>14.1f}{value / base:>13.2f}")

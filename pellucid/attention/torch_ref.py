@@ -4,6 +4,8 @@ It is the correctness reference for the fast backends, so it favours obviousness
 over requests (bounds read from the host copies of the metadata), gathers each request's keys/values
 from the paged cache through its block table, and applies a causal mask by absolute position. That one
 code path covers prefill from zero, chunked prefill on a cached prefix, decode, and any mix of them.
+Single-token (decode) rows are also done together in one padded batch, because a Python loop over
+hundreds of decodes dominates CPU generation; the math is the same per row.
 """
 from __future__ import annotations
 
@@ -35,10 +37,15 @@ class TorchReferenceBackend(AttentionBackend):
         query_starts = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         computed = metadata.num_computed_tokens_cpu.tolist()
+        decodes = [r for r in range(metadata.num_reqs)
+                   if query_starts[r + 1] - query_starts[r] == 1 and seq_lens[r] == computed[r] + 1]
+        if len(decodes) > 1:
+            self._decode_rows(query, kv_cache, metadata, scale, decodes, output)
+        batched = set(decodes) if len(decodes) > 1 else set()
         for r in range(metadata.num_reqs):
             start, end = query_starts[r], query_starts[r + 1]
             query_len, seq_len = end - start, seq_lens[r]
-            if query_len == 0:
+            if query_len == 0 or r in batched:
                 continue
             if computed[r] + query_len != seq_len:
                 raise ValueError(f"request {r}: num_computed_tokens ({computed[r]}) + query length ({query_len}) "
@@ -58,3 +65,22 @@ class TorchReferenceBackend(AttentionBackend):
             probs = torch.softmax(scores, dim=-1)
             output[start:end] = torch.matmul(probs, values).transpose(0, 1).to(query.dtype)
         return output
+
+    def _decode_rows(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CommonAttentionMetadata,
+                     scale: float, requests: list[int], output: torch.Tensor) -> None:
+        """Requests with one new token each: gather their keys/values padded to the longest, mask the padding."""
+        device, block_size = query.device, kv_cache.shape[2]
+        seq_lens = metadata.seq_lens_cpu[requests].to(device=device, dtype=torch.long)
+        rows = metadata.query_start_loc_cpu[requests].to(device=device, dtype=torch.long)
+        max_len = int(metadata.seq_lens_cpu[requests].max())
+        blocks = metadata.block_table[torch.tensor(requests, device=metadata.block_table.device),
+                                      : -(-max_len // block_size)].to(device=device, dtype=torch.long)
+        keys = kv_cache[0][blocks].flatten(1, 2)[:, :max_len].float()              # [B, S, kv_heads, D]
+        values = kv_cache[1][blocks].flatten(1, 2)[:, :max_len].float()
+        group = self.num_heads // self.num_kv_heads
+        q = query.index_select(0, rows).float().view(len(requests), self.num_kv_heads, group, -1)
+        scores = torch.einsum("bhgd,bshd->bhgs", q, keys) * scale                   # [B, kv_heads, G, S]
+        padding = torch.arange(max_len, device=device)[None, :] >= seq_lens[:, None]
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgs,bshd->bhgd", torch.softmax(scores, dim=-1), values)
+        output[rows] = out.reshape(len(requests), self.num_heads, -1).to(query.dtype)

@@ -18,13 +18,23 @@ from pellucid.engine.scheduler import Scheduler
 from pellucid.logger import get_logger
 from pellucid.models.loader import load_model
 from pellucid.outputs import RequestOutput
-from pellucid.runner.model_runner import ModelRunner
+from pellucid.engine.scheduler_output import SchedulerOutput
+from pellucid.runner.model_runner import LaunchedStep, ModelRunner
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import eos_token_ids, load_tokenizer
-from pellucid.tracing.plan import finish_traced_requests, prepare_traced_request
+from pellucid.tracing.plan import TRACE_KEY, finish_traced_requests, prepare_traced_request
 
 logger = get_logger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A scheduled step whose device work was launched and whose results are not collected yet."""
+
+    so: SchedulerOutput
+    launched: LaunchedStep | None
+    failed: ModelRunnerOutput | None = None   # the errors of a step whose launch raised
 
 
 @dataclass
@@ -69,6 +79,13 @@ class EngineCore:
         self.scheduler = Scheduler(sc, config.cache, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending_outputs: set[str] = set()   # parents with news not yet reported (aborts, errors)
+        self.async_scheduling = sc.async_scheduling if sc.async_scheduling is not None \
+            else self.device.type == "cuda"
+        self._in_flight: _InFlight | None = None  # the step launched ahead (async scheduling)
+        self._ended_in_flight: set[str] = set()  # requests ended while in the in-flight step: its token is dropped
+        self._traced: list[Request] = []         # unfinished traced requests: their steps run one at a time
+        self.runner.trace_possible = False
+        self.num_discarded_tokens = 0            # tokens of in-flight steps dropped after a stop string or abort
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -166,43 +183,112 @@ class EngineCore:
         self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, children, stream)
         for req in children:
             self.scheduler.add_request(req)
+            if req.extras.get(TRACE_KEY) is not None:
+                self._traced.append(req)
+                self.runner.trace_possible = True
 
     def abort_request(self, request_id: str) -> None:
         children = self.outputs.children_of(request_id)
         if not children:
             return
-        self.scheduler.finish_requests([c.request_id for c in children], RequestStatus.FINISHED_ABORTED)
+        self._end_requests([c.request_id for c in children], RequestStatus.FINISHED_ABORTED)
         self._pending_outputs.add(request_id)
 
+    def _end_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests (their blocks are freed now). One that is in the in-flight step gets a token
+        from it that update_from_output drops, since the request no longer runs; counted here."""
+        self.scheduler.finish_requests(request_ids, status)
+        if self._in_flight is not None:
+            self._ended_in_flight.update(request_ids)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or self._in_flight is not None
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        so = self.scheduler.schedule()
+        """Collect one step's tokens and report them; with async scheduling, launch the next step first.
+
+        Serial: schedule N -> launch N -> collect N -> update -> outputs of N.
+        Async:  collect N (launched by the previous call) -> update -> schedule + launch N+1 ->
+                outputs of N (detokenization, stop strings, RequestOutputs) while the device runs N+1.
+        Every call returns the outputs of the tokens it collected. Only a stop string found in N's text
+        comes late for N+1, which already holds the request: its blocks are freed at once and its N+1
+        token is dropped by update_from_output, so nothing past the stop string is ever reported.
+        """
         touched: set[str] = set(self._pending_outputs)
         self._pending_outputs.clear()
-        if so.is_empty and (so.finished_request_ids or so.preempted_request_ids):
-            # No batch carries the news to the runner this step; free per-request state (hybrid models) now.
-            self.runner.release_request_states(so.finished_request_ids | so.preempted_request_ids)
-        if not so.is_empty:
-            self.num_steps += 1
-            try:
-                ro = self.runner.execute(so)
-            except Exception as exc:  # one bad batch must not take the engine down
-                logger.error("model step failed; failing its %d requests:\n%s", so.num_reqs, traceback.format_exc())
-                ro = ModelRunnerOutput(errors={r.request_id: f"{type(exc).__name__}: {exc}" for r in so.requests})
-            self.generation_tokens_total += len(ro.sampled_token_ids)
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            so, ro = in_flight.so, self._collect(in_flight)
+        else:
+            so = self._schedule()
+            ro = self._execute(so) if so is not None else None
+        if so is not None:
             changed = self.scheduler.update_from_output(so, ro, now=time.monotonic())
+            if self.async_scheduling and not self._traced:   # traced steps run one at a time
+                next_so = self._schedule()
+                if next_so is not None:
+                    self._in_flight = self._launch(next_so)
             stopped = self.outputs.process_tokens(changed, ro)
             if stopped:
-                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-            finish_traced_requests(changed)   # tracing: stack the saves of finished traced requests
+                self._end_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            if self._traced:
+                finish_traced_requests(changed)   # tracing: stack the saves of finished traced requests
             touched |= self.outputs.parents_to_report(changed)
+            if self._traced:
+                self._traced = [r for r in self._traced if not r.is_finished]
+                self.runner.trace_possible = bool(self._traced)
         self.prompt_tokens_total = self.scheduler.total_prompt_tokens
         # Requests the scheduler ended on its own (e.g. they can never fit in the KV pool).
         touched |= self.outputs.parents_of(self.scheduler.drain_finished_unreported())
         return self.outputs.make_outputs(touched)
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The next batch, or None when nothing runs."""
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            if so.finished_request_ids or so.preempted_request_ids:
+                # No batch carries the news to the runner this step; free per-request state (hybrid models) now.
+                self.runner.release_request_states(so.finished_request_ids | so.preempted_request_ids)
+            return None
+        self.num_steps += 1
+        return so
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step start to finish (serial mode)."""
+        try:
+            ro = self.runner.execute(so)
+        except Exception as exc:  # one bad batch must not take the engine down
+            ro = self._failed_step(so, exc)
+        self.generation_tokens_total += len(ro.sampled_token_ids)
+        return ro
+
+    def _launch(self, so: SchedulerOutput) -> _InFlight:
+        try:
+            return _InFlight(so, self.runner.launch(so))
+        except Exception as exc:
+            return _InFlight(so, None, self._failed_step(so, exc))
+
+    def _collect(self, in_flight: _InFlight) -> ModelRunnerOutput:
+        ro = in_flight.failed
+        if ro is None:
+            try:
+                ro = self.runner.collect(in_flight.launched)
+            except Exception as exc:
+                ro = self._failed_step(in_flight.so, exc)
+        num_tokens = len(ro.sampled_token_ids)
+        if self._ended_in_flight:
+            dropped = sum(rid in ro.sampled_token_ids for rid in self._ended_in_flight)
+            self._ended_in_flight.clear()
+            self.num_discarded_tokens += dropped
+            num_tokens -= dropped
+        self.generation_tokens_total += num_tokens
+        return ro
+
+    @staticmethod
+    def _failed_step(so: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        logger.error("model step failed; failing its %d requests:\n%s", so.num_reqs, traceback.format_exc())
+        return ModelRunnerOutput(errors={r.request_id: f"{type(exc).__name__}: {exc}" for r in so.requests})
 
     def stats(self) -> EngineStats:
         s = self.scheduler

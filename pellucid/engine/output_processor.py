@@ -19,6 +19,10 @@ from pellucid.runner.output import ModelRunnerOutput
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import IncrementalDetokenizer
 
+# `status in _FINISHED` instead of `request.is_finished`: the enum property costs several times more, and
+# these checks run for every request of every step.
+_FINISHED = frozenset(s for s in RequestStatus if s.finished)
+
 
 @dataclass
 class SequenceState:
@@ -90,24 +94,30 @@ class OutputProcessor:
         if not per_token:
             return stopped
         sampled = ro.sampled_token_ids
+        logprobs = ro.logprobs
         for req in changed:
-            entry = per_token.get(req.request_id)
-            if entry is None:
+            rid = req.request_id
+            entry = per_token.get(rid)
+            if entry is None or rid not in sampled:
                 continue
             parent, seq = entry
-            if req.request_id not in sampled:
+            if seq.logprobs is not None and rid in logprobs:
+                seq.logprobs.append(self._position_logprobs(logprobs[rid]))
+            detok = seq.detok
+            if detok is None:
                 continue
-            if seq.logprobs is not None and req.request_id in ro.logprobs:
-                seq.logprobs.append(self._position_logprobs(ro.logprobs[req.request_id]))
-            if seq.detok is not None:
-                token = req.output_token_ids[-1]
-                params = parent.params
-                finished = req.is_finished
-                text_before = len(seq.detok.text)
-                if not (finished and req.stop_reason == token) or params.include_stop_str_in_output:
-                    seq.detok.add(token)
-                if not finished and params.stop_strings and self._find_stop_string(params, seq, text_before):
-                    stopped.append(req.request_id)
+            token = req.output_token_ids[-1]
+            params = parent.params
+            finished = req.status in _FINISHED
+            if finished and req.stop_reason == token and not params.include_stop_str_in_output:
+                continue   # a stop token id ends the text without showing
+            if params.stop_strings and not finished:
+                text_before = len(detok.text)
+                detok.add(token)
+                if self._find_stop_string(params, seq, text_before):
+                    stopped.append(rid)
+            else:
+                detok.add(token)
         return stopped
 
     def _find_stop_string(self, params: SamplingParams, seq: SequenceState, text_before: int) -> bool:
@@ -144,11 +154,14 @@ class OutputProcessor:
     def make_outputs(self, request_ids: set[str]) -> list[RequestOutput]:
         """Cumulative outputs for the given parents; finished parents are forgotten afterwards."""
         outputs = []
+        parents = self.parents
         for rid in request_ids:
-            parent = self.parents.get(rid)
+            parent = parents.get(rid)
             if parent is None:
                 continue
-            finished = all(s.request.is_finished for s in parent.seqs)
+            seqs = parent.seqs
+            finished = seqs[0].request.status in _FINISHED if len(seqs) == 1 \
+                else all(s.request.status in _FINISHED for s in seqs)
             if not (finished or parent.stream):
                 continue
             outputs.append(self._output(parent, finished))
@@ -176,13 +189,17 @@ class OutputProcessor:
 
     def _output(self, parent: ParentState, finished: bool) -> RequestOutput:
         seqs = parent.seqs
-        completions = [self._completion(parent, seq, finished) for seq in seqs]
-        error = next((s.request.error for s in seqs if s.request.error), None)
         first = seqs[0].request
+        if len(seqs) == 1:
+            completions = [self._completion(parent, seqs[0], finished)]
+            error = first.error
+        else:
+            completions = [self._completion(parent, seq, finished) for seq in seqs]
+            error = next((s.request.error for s in seqs if s.request.error), None)
         metrics = {"arrival_time": first.arrival_time}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
-        feature_outputs = first.extras.get("outputs")
+        feature_outputs = first.extras.get("outputs") if first.extras else None
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
@@ -192,7 +209,7 @@ class OutputProcessor:
     def _completion(self, parent: ParentState, seq: SequenceState, all_finished: bool) -> CompletionOutput:
         req = seq.request
         params = parent.params
-        finished = all_finished or req.is_finished
+        finished = all_finished or req.status in _FINISHED
         if not params.detokenize:
             text = ""
         elif seq.stop_string is not None:

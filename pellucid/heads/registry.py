@@ -24,10 +24,7 @@ def register_head(name: str, cls: type[LMHead]) -> None:
 
 
 def _load_builtin_and_plugins() -> None:
-    try:
-        from pellucid.heads.flashhead import FlashHead  # noqa: F401  (registers itself when present)
-    except ImportError:
-        pass
+    import pellucid.heads.flashhead  # noqa: F401  (the built-in FlashHead registers itself)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _HEADS:
             register_head(ep.name, ep.load())

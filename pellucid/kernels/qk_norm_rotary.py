@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.rotary import rotate_half_rounded, token_cos_sin
+
 
 @triton.jit
 def _norm_rotate_heads(x_ptr, weight_ptr, stride_t, stride_h, token, num_heads, eps, cos, sin, offs_h, offs_d,
@@ -28,8 +30,7 @@ def _norm_rotate_heads(x_ptr, weight_ptr, stride_t, stride_h, token, num_heads, 
     w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     n1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     n2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    out1 = (n1 * cos).to(dtype).to(tl.float32) + (-(n2 * sin)).to(dtype).to(tl.float32)
-    out2 = (n2 * cos).to(dtype).to(tl.float32) + (n1 * sin).to(dtype).to(tl.float32)
+    out1, out2 = rotate_half_rounded(n1, n2, cos, sin, x_ptr)
     tl.store(base, out1.to(dtype), mask=mask)
     tl.store(base + HALF, out2.to(dtype), mask=mask)
 
@@ -41,13 +42,9 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr
                            HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
                            BLOCK_HK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + stride_cs_kind + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
-    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
-    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    cos, sin = token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, q_ptr)
     _norm_rotate_heads(q_ptr, q_weight_ptr, stride_q_t, stride_q_h, token, num_q_heads, q_eps, cos, sin,
                        tl.arange(0, BLOCK_HQ), offs_d, d_mask, HALF)
     _norm_rotate_heads(k_ptr, k_weight_ptr, stride_k_t, stride_k_h, token, num_k_heads, k_eps, cos, sin,

@@ -12,6 +12,27 @@ import triton.language as tl
 
 
 @triton.jit
+def token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, x_ptr):
+    """cos and sin [1, BLOCK_D] at the token's position, rounded to x's dtype (as the torch code rounds
+    its cos/sin to the activation dtype) and held in float32."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + stride_cs_kind + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
+    cos = cos.to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    sin = sin.to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def rotate_half_rounded(x1, x2, cos, sin, x_ptr):
+    """(x1 * cos - x2 * sin, x2 * cos + x1 * sin) in float32, each product rounded to x's dtype."""
+    dtype = x_ptr.dtype.element_ty
+    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-(x2 * sin)).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return out1, out2
+
+
+@triton.jit
 def _rotate_heads(x_ptr, stride_t, stride_h, token, num_heads, cos, sin, offs_h, offs_d, d_mask,
                   HALF: tl.constexpr):
     mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
@@ -19,11 +40,7 @@ def _rotate_heads(x_ptr, stride_t, stride_h, token, num_heads, cos, sin, offs_h,
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    # out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin, each product rounded to the activation dtype
-    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-(x2 * sin)).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    out1, out2 = rotate_half_rounded(x1.to(tl.float32), x2.to(tl.float32), cos, sin, x_ptr)
     tl.store(base, out1.to(dtype), mask=mask)
     tl.store(base + HALF, out2.to(dtype), mask=mask)
 
@@ -34,13 +51,9 @@ def _rotary_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
                    num_q_heads, num_k_heads,
                    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + stride_cs_kind + pos * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
-    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
-    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    cos, sin = token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, q_ptr)
     _rotate_heads(q_ptr, stride_q_t, stride_q_h, token, num_q_heads, cos, sin, tl.arange(0, BLOCK_HQ), offs_d,
                   d_mask, HALF)
     _rotate_heads(k_ptr, stride_k_t, stride_k_h, token, num_k_heads, cos, sin, tl.arange(0, BLOCK_HK), offs_d,

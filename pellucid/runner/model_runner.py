@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -18,6 +20,7 @@ from pellucid.runner.buffers import StepBuffers
 from pellucid.runner.cuda_graphs import DecodeCudaGraphs, default_graph_sizes, graphs_unavailable_reason
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.runner.sampler import Sampler, gather_logprobs, host_to_device
+from pellucid.runner.sampling_metadata import LogprobsTensors
 from pellucid.runner.sampling_metadata_builder import build_sampling_metadata
 from pellucid.runner.state_pool import RecurrentStatePool
 from pellucid.tracing.hooks import StepTrace
@@ -27,6 +30,40 @@ from pellucid.tracing.taps import TapRuntime
 TRACE_EXTRAS_KEYS = frozenset({TRACE_KEY})
 
 logger = get_logger(__name__)
+
+_request_id = operator.attrgetter("request_id")
+
+
+# ---- launch / collect (begin) -----------------------------------------------------------------------
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued (ModelRunner.launch) and whose results are not read yet.
+
+    The tensors are host copies in flight (pinned, written by non-blocking copies on CUDA) or, on CPU, the
+    results themselves; `ready` is the event after the last copy. Nothing here is read before collect().
+    """
+
+    sample_request_ids: list[str]
+    logprobs_k: list[int | None]                    # per sampling row: asked logprobs (None: not asked)
+    token_ids: torch.Tensor | None = None           # [rows] sampled ids
+    logprobs: LogprobsTensors | None = None
+    prompt_logprobs: list[tuple[str, int, LogprobsTensors]] = field(default_factory=list)
+    trace: StepTrace | None = None
+    ready: torch.cuda.Event | None = None
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """Start a device-to-host copy into pinned memory without waiting for it (CPU tensors pass through)."""
+    if x.device.type == "cpu":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
+
+
+def _logprobs_to_host(lp: LogprobsTensors) -> LogprobsTensors:
+    return LogprobsTensors(token_ids=_to_host(lp.token_ids), logprobs=_to_host(lp.logprobs), ranks=_to_host(lp.ranks))
+# ---- launch / collect (end) -------------------------------------------------------------------------
 
 
 def choose_backend(name: str, device: torch.device) -> type[AttentionBackend]:
@@ -74,6 +111,8 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s; every step runs eagerly", reason)
         # ---- CUDA graphs (end) ----
         self.tap_runtime = TapRuntime(max_num_batched_tokens, device)   # tracing taps' persistent buffers
+        # False while no request the engine holds is traced: launch() then skips the per-request trace scan.
+        self.trace_possible = True
 
     @property
     def supports_prefix_caching(self) -> bool:
@@ -155,13 +194,23 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_attention_layers)]
 
     # ---- one step -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, start to finish: launch() then collect()."""
+        return self.collect(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """Build the batch and queue the forward, LM head, sampler and result copies; on CUDA this returns
+        while the device still computes. Nothing of the step is read back until collect()."""
         # ---- tracing + CUDA graphs (begin; pellucid/tracing/hooks.py) ----
         # `trace` is None unless a request in this batch is traced. A decode-only step replays a CUDA
         # graph padded to the next captured size (cuda_graphs.py says which steps cannot); a traced one
         # only when all its module ops are taps, with a graph variant captured with those taps.
-        trace = StepTrace.for_step(so, self.model, self.tap_runtime)
+        # Most steps trace nothing: the engine says so (trace_possible) and spares the per-request scan.
+        if self.trace_possible:
+            trace = StepTrace.for_step(so, self.model, self.tap_runtime)
+        else:
+            trace = self.tap_runtime.last_trace = None
         graph_key = trace.graph_key if trace is not None else ()
         graph_size = None
         if self.cuda_graphs is not None and graph_key is not None:
@@ -182,9 +231,29 @@ class ModelRunner:
             with trace.hooks() if trace is not None else contextlib.nullcontext():
                 hidden = self._forward(batch, extras)
         # ---- tracing + CUDA graphs (end) ----
-        out = self._sample(batch, hidden, trace)
-        if trace is not None:
-            trace.finish_step(out)
+        return self._launch_sampling(batch, hidden, trace)
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for the step's results and read them: the step's one device-to-host read."""
+        out = ModelRunnerOutput()
+        with self._device_readback():
+            if step.ready is not None:
+                step.ready.synchronize()
+            token_ids = step.token_ids.tolist() if step.token_ids is not None else []
+            lp = step.logprobs
+            if lp is not None:
+                ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            prompt_lps = [(rid, first, p.token_ids.tolist(), p.logprobs.tolist(), p.ranks.tolist())
+                          for rid, first, p in step.prompt_logprobs]
+        out.sampled_token_ids = dict(zip(step.sample_request_ids, token_ids))
+        if lp is not None:
+            for row, (rid, k) in enumerate(zip(step.sample_request_ids, step.logprobs_k)):
+                if k is not None:
+                    out.logprobs[rid] = (ids[row][:k + 1], lps[row][:k + 1], ranks[row])
+        for rid, first, p_ids, p_lps, p_ranks in prompt_lps:
+            out.prompt_logprobs[rid] = (first, [(p_ids[r], p_lps[r], p_ranks[r]) for r in range(len(p_ranks))])
+        if step.trace is not None:
+            step.trace.finish_step(out)
         return out
 
     @contextlib.contextmanager
@@ -211,38 +280,32 @@ class ModelRunner:
         with forward_context(ctx):
             return self.model(batch.input_ids)
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor, trace: StepTrace | None = None) -> ModelRunnerOutput:
-        out = ModelRunnerOutput()
+    def _launch_sampling(self, batch: StepBatch, hidden: torch.Tensor, trace: StepTrace | None) -> LaunchedStep:
+        """Queue LM head + sampler (and prompt logprobs) and the copies of their results to the host."""
+        requests = batch.sample_requests
+        step = LaunchedStep(list(map(_request_id, requests)), [], trace=trace)
         if trace is not None:
             trace.apply_logits_ops(self.head, hidden)   # `logits` site: exact logits, edits reach the sampler
-        if batch.sample_requests:
-            sampling = build_sampling_metadata(batch.sample_requests, self.device)
+        if requests:
+            sampling = build_sampling_metadata(requests, self.device)
             sample_hidden = hidden.index_select(0, batch.sample_rows)   # index_select: no bounds sync
             if trace is None:
                 result = self.head.sample(sample_hidden, sampling, self.sampler)
             else:
                 result = trace.sample(self.head, self.sampler, sample_hidden, sampling)
                 trace.record_tokens(result.sampled_token_ids)
-            lp = result.logprobs
-            with self._device_readback():   # the step's one device-to-host read
-                token_ids = result.sampled_token_ids.tolist()
-                if lp is not None:
-                    ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-            for req, tok in zip(batch.sample_requests, token_ids):
-                out.sampled_token_ids[req.request_id] = tok
-            if lp is not None:
-                for row, req in enumerate(batch.sample_requests):
-                    if req.sampling_params.logprobs is not None:
-                        k = req.sampling_params.logprobs + 1
-                        out.logprobs[req.request_id] = (ids[row][:k], lps[row][:k], ranks[row])
+            step.token_ids = _to_host(result.sampled_token_ids)
+            if result.logprobs is not None:
+                step.logprobs = _logprobs_to_host(result.logprobs)
+                step.logprobs_k = [r.sampling_params.logprobs for r in requests]
         for plr in batch.prompt_logprob_rows:
             k = plr.request.sampling_params.prompt_logprobs
             rows = host_to_device(plr.rows.tolist(), torch.int64, hidden.device)
             logits = self.head.compute_logits(hidden.index_select(0, rows))
             targets = host_to_device(plr.target_token_ids, torch.int64, hidden.device)
-            lp = gather_logprobs(logits, targets, k)
-            with self._device_readback():   # prompt logprobs, asked for: read with the step's results
-                ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-            out.prompt_logprobs[plr.request.request_id] = (plr.first_position,
-                                                          [(ids[r], lps[r], ranks[r]) for r in range(len(ranks))])
-        return out
+            step.prompt_logprobs.append((plr.request.request_id, plr.first_position,
+                                         _logprobs_to_host(gather_logprobs(logits, targets, k))))
+        if hidden.device.type == "cuda":
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step

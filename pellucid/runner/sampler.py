@@ -133,6 +133,11 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
             raise ValueError(f"logits must be [R, V] with R = {metadata.temperature.shape[0]} rows, "
                              f"got {tuple(logits.shape)}")
+        if metadata.all_greedy and metadata.max_num_logprobs is None and metadata.no_penalties \
+                and not metadata.banned_token_ids:
+            # Plain greedy: argmax on the logits as they are. A float32 copy of [R, V] bf16 logits would
+            # cost more device memory traffic than the argmax itself, and picks the same (first) maximum.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=1))
         logits = logits.float()
         # Logprobs are vLLM's default "raw" ones: the model's distribution before any processing.
         raw_logprobs = torch.log_softmax(logits, dim=1) if metadata.max_num_logprobs is not None else None

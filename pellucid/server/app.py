@@ -32,7 +32,7 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
                                       ModelList, ProtocolError, TokenizeRequest, TokenizeResponse,
                                       chat_template_messages, new_id, validation_error)
-from pellucid.server.responses import ChoiceTracker, chat_logprobs, completion_logprobs
+from pellucid.server.responses import ChoiceTracker, Delta, chat_logprobs, completion_logprobs
 from pellucid.tokenizer import apply_chat_template
 from pellucid.tracing.http import trace_extras, with_saves
 
@@ -297,27 +297,37 @@ class OpenAIServer:
                     final_outputs[index] = output
         return tracker.finals
 
-    async def _completion_events(self, body: CompletionRequest, request_id: str, streams: list[RequestStream],
-                                 tracker: ChoiceTracker, timer: RequestTimer, echo: list[str]) -> AsyncIterator[str]:
+    def _completion_events(self, body: CompletionRequest, request_id: str, streams: list[RequestStream],
+                           tracker: ChoiceTracker, timer: RequestTimer, echo: list[str]) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
             return CompletionResponse(id=request_id, model=self.model_name, choices=choices)
 
+        def choice(delta: Delta) -> CompletionChoice:
+            return CompletionChoice(
+                index=delta.index, text=delta.text,
+                logprobs=(completion_logprobs(delta.output, delta.token_start, body.logprobs, delta.text_start)
+                          if body.logprobs is not None else None),
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.output.stop_reason if delta.finish_reason else None)
+
+        opening = ([chunk([CompletionChoice(index=i * body.n + j, text=echo[i])
+                           for i in range(len(streams)) for j in range(body.n)])] if body.echo else [])
+        return self._event_stream(opening, chunk, choice, body.include_usage_in_stream, streams, tracker, timer)
+
+    async def _event_stream(self, opening: list[BaseModel], chunk: Callable[[list[Any]], BaseModel],
+                            choice: Callable[[Delta], Any], include_usage: bool, streams: list[RequestStream],
+                            tracker: ChoiceTracker, timer: RequestTimer) -> AsyncIterator[str]:
+        """The SSE body of both streaming endpoints: the `opening` chunks, one chunk per engine output that
+        changed any choice (`choice` builds each from its delta), the usage chunk when asked for, [DONE]."""
         try:
-            if body.echo:
-                yield _sse(chunk([CompletionChoice(index=i * body.n + j, text=echo[i])
-                                  for i in range(len(streams)) for j in range(body.n)]))
+            for first in opening:
+                yield _sse(first)
             async with contextlib.aclosing(self.merged(streams, timer, tracker)) as outputs:
                 async for index, output in outputs:
-                    choices = [CompletionChoice(
-                        index=delta.index, text=delta.text,
-                        logprobs=(completion_logprobs(delta.output, delta.token_start, body.logprobs, delta.text_start)
-                                  if body.logprobs is not None else None),
-                        finish_reason=delta.finish_reason,
-                        stop_reason=delta.output.stop_reason if delta.finish_reason else None)
-                        for delta in tracker.update(index, output)]
+                    choices = [choice(delta) for delta in tracker.update(index, output)]
                     if choices:
                         yield _sse(chunk(choices))
-            if body.include_usage_in_stream:
+            if include_usage:
                 final = chunk([])
                 final.usage = tracker.usage()
                 yield _sse(final)
@@ -359,32 +369,22 @@ class OpenAIServer:
         return JSONResponse(with_saves(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                               usage=tracker.usage()).model_dump(), final_outputs))
 
-    async def _chat_events(self, body: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-                           tracker: ChoiceTracker, timer: RequestTimer, top_logprobs: int | None) -> AsyncIterator[str]:
+    def _chat_events(self, body: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
+                     tracker: ChoiceTracker, timer: RequestTimer, top_logprobs: int | None) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
 
-        try:
-            yield _sse(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                              for i in range(body.n)]))
-            async with contextlib.aclosing(self.merged(streams, timer, tracker)) as outputs:
-                async for index, output in outputs:
-                    choices = [ChatStreamChoice(
-                        index=delta.index, delta=DeltaMessage(content=delta.text or None),
-                        logprobs=(chat_logprobs(delta.output, delta.token_start, top_logprobs)
-                                  if top_logprobs is not None else None),
-                        finish_reason=delta.finish_reason,
-                        stop_reason=delta.output.stop_reason if delta.finish_reason else None)
-                        for delta in tracker.update(index, output)]
-                    if choices:
-                        yield _sse(chunk(choices))
-            if body.include_usage_in_stream:
-                final = chunk([])
-                final.usage = tracker.usage()
-                yield _sse(final)
-        except Exception as exc:
-            yield _sse(error_response_body(self._stream_error(exc)))
-        yield "data: [DONE]\n\n"
+        def choice(delta: Delta) -> ChatStreamChoice:
+            return ChatStreamChoice(
+                index=delta.index, delta=DeltaMessage(content=delta.text or None),
+                logprobs=(chat_logprobs(delta.output, delta.token_start, top_logprobs)
+                          if top_logprobs is not None else None),
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.output.stop_reason if delta.finish_reason else None)
+
+        opening = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                          for i in range(body.n)])]
+        return self._event_stream(opening, chunk, choice, body.include_usage_in_stream, streams, tracker, timer)
 
     # ---- small endpoints ------------------------------------------------------------------------
 

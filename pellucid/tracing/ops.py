@@ -94,12 +94,13 @@ class Save(Op):
 
 
 class _ValueEdit(Op):
-    """Shared by the edits that carry a tensor."""
+    """Shared by the edits that carry a tensor (in the field named by `value_field`), checked at construction."""
 
     edits: ClassVar[bool] = True
     value_field: ClassVar[str] = "value"
 
-    def _init_value(self) -> None:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         value = _as_tensor(getattr(self, self.value_field), self.value_field)
         setattr(self, self.value_field, value)
         self._device_values: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -143,10 +144,6 @@ class Set(_ValueEdit):
     value: torch.Tensor
     kind: ClassVar[str] = "set"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._init_value()
-
     def edit(self, rows: torch.Tensor, ranks: np.ndarray, num_selected: int) -> torch.Tensor:
         return self._value_rows(rows, ranks, num_selected).expand_as(rows)
 
@@ -155,10 +152,6 @@ class Set(_ValueEdit):
 class Add(_ValueEdit):
     value: torch.Tensor
     kind: ClassVar[str] = "add"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._init_value()
 
     def edit(self, rows: torch.Tensor, ranks: np.ndarray, num_selected: int) -> torch.Tensor:
         return rows + self._value_rows(rows, ranks, num_selected)
@@ -171,10 +164,6 @@ class MeanAblate(_ValueEdit):
     mean: torch.Tensor
     kind: ClassVar[str] = "mean_ablate"
     value_field: ClassVar[str] = "mean"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._init_value()
 
     def edit(self, rows: torch.Tensor, ranks: np.ndarray, num_selected: int) -> torch.Tensor:
         return self._value_rows(rows, ranks, num_selected).expand_as(rows)

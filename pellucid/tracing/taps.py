@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pellucid.tracing.ops import Add, MeanAblate, Op, Save, Scale, Set, Zero
+from pellucid.tracing.ops import Add, MeanAblate, Save, Scale, Set, Zero
 from pellucid.tracing.plan import TracePlan
 
 Target = tuple[str, str]          # (module path, "input" | "output")
@@ -66,10 +66,6 @@ class TapProgram:
         self.has_value = (self.value_slot < len(self.value_ops)).astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(value_rows)]).astype(np.int64)
         self.value_local = np.where(self.has_value == 1, starts[self.value_slot] + self.value_rank, 0)
-
-    @property
-    def flags(self) -> tuple[bool, bool, bool]:
-        return self.edits, bool(self.pre_saves), bool(self.post_saves)
 
 
 def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | None:

@@ -10,6 +10,7 @@ import pytest
 from pellucid.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from pellucid.llm import LLM
 from pellucid.sampling_params import SamplingParams
+from tests.step_faults import failing_step
 
 ENGINE_KWARGS = dict(device="cpu", num_kv_blocks=256, max_model_len=256)
 
@@ -143,27 +144,14 @@ def test_validation_errors_raise_before_the_first_output(async_llm):
 
 
 def test_failing_step_fails_its_requests_and_keeps_serving(async_llm):
-    core = async_llm._core
-    real_step = core.step
-    failures = {"left": 1}
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-
-    def failing_step():
-        if failures["left"]:
-            failures["left"] -= 1
-            raise RuntimeError("injected step failure")
-        return real_step()
-
-    core.step = failing_step
-    try:
+    with failing_step(async_llm):
         async def run():
             with pytest.raises(RequestFailedError, match="injected step failure"):
                 await final_output(async_llm, "the cat sat", params)
             return await final_output(async_llm, "the cat sat", params)
 
         out = asyncio.run(run())
-    finally:
-        del core.step
     assert len(out.outputs[0].token_ids) == 5
     wait_until(lambda: async_llm.get_stats().num_used_blocks == 0)
     assert async_llm.num_step_failures >= 1

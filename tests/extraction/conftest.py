@@ -6,21 +6,15 @@ from typing import Any, Callable
 import pytest
 import torch
 
+# Re-exported: the extraction tests import them from here.
+from tests.reference import hf_forward, random_prompts, relative_error  # noqa: F401
+
 TOLERANCE = 1e-4
 EXTRACTION_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "lfm2"]
 
 
 def num_layers_of(arch: str) -> int:
     return 4 if arch == "lfm2" else 3
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
-
-
-def random_prompts(seed: int, lengths: list[int], vocab: int = 500) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="session")
@@ -55,21 +49,10 @@ def hf_reference(ext_model_dir) -> Callable[[str, list[int]], dict[str, Any]]:
             models[arch] = AutoModelForCausalLM.from_pretrained(ext_model_dir(arch), dtype=torch.float32,
                                                                 attn_implementation="eager").eval()
         model = models[arch]
-        captured: dict[int, torch.Tensor] = {}
-        handles = []
-        for i, layer in enumerate(model.model.layers):
-            def capture(_m: Any, _a: Any, out: Any, i: int = i) -> None:
-                captured[i] = (out[0] if isinstance(out, tuple) else out)[0].detach().clone()
-            handles.append(layer.register_forward_hook(capture))
-        try:
-            with torch.no_grad():
-                out = model(torch.tensor([token_ids]), output_hidden_states=True)
-                final = model.model(torch.tensor([token_ids])).last_hidden_state[0]
-        finally:
-            for h in handles:
-                h.remove()
-        return {"hidden_states": [h[0] for h in out.hidden_states], "final": final,
-                "layers": [captured[i] for i in range(len(model.model.layers))]}
+        out = hf_forward(model, token_ids)
+        with torch.no_grad():
+            final = model.model(torch.tensor([token_ids])).last_hidden_state[0]
+        return {"hidden_states": out["hidden_states"], "final": final, "layers": out["layers"]}
     return ref
 
 

@@ -11,15 +11,7 @@ import sys
 import torch
 
 from pellucid.models import layers
-
-
-def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape, f"{what}: {out.dtype}{tuple(out.shape)} vs {ref.dtype}{tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-    # bf16: one rounding step is ~4e-3 relative; the Triton interpreter truncates instead of rounding to nearest.
-    limit = 1e-5 if dtype == torch.float32 else (2e-2 if os.environ.get("TRITON_INTERPRET") == "1" else 4e-3)
-    assert err < limit, f"{what}: relative error {err:.3g} >= {limit}"
+from tests.gpu.check_support import assert_close
 
 
 def check_add_rms_norm(device: str, dtype: torch.dtype, seed: int) -> None:
@@ -32,10 +24,10 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, seed: int) -> None:
         total, normed = add_rms_norm(x, residual, w, 1e-6)
         ref_total = residual + x
         if os.environ.get("TRITON_INTERPRET") == "1":    # the interpreter truncates bf16 instead of rounding
-            _close(total, ref_total, dtype, f"add_rms_norm sum {rows}x{hidden} {dtype}")
+            assert_close(total, ref_total, dtype, f"add_rms_norm sum {rows}x{hidden} {dtype}")
         else:                                            # one rounding of one sum, as torch's add: exact
             torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
-        _close(normed, w * _normalise(ref_total, 1e-6), dtype, f"add_rms_norm {rows}x{hidden} {dtype}")
+        assert_close(normed, w * _normalise(ref_total, 1e-6), dtype, f"add_rms_norm {rows}x{hidden} {dtype}")
 
 
 def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,8 +63,8 @@ def check_qk_norm_rotary(device: str, dtype: torch.dtype, seed: int) -> None:
         v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
         qk_norm_rotary_inplace(positions, q, k, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6, 1e-5,
                                rope.cos_sin_cache)
-        _close(q, ref_q, dtype, f"qk_norm_rotary q {heads}/{kv_heads}x{head_dim} {dtype}")
-        _close(k, ref_k, dtype, f"qk_norm_rotary k {heads}/{kv_heads}x{head_dim} {dtype}")
+        assert_close(q, ref_q, dtype, f"qk_norm_rotary q {heads}/{kv_heads}x{head_dim} {dtype}")
+        assert_close(k, ref_k, dtype, f"qk_norm_rotary k {heads}/{kv_heads}x{head_dim} {dtype}")
         assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before), "qk_norm_rotary wrote into v"
 
 

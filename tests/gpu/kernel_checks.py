@@ -5,26 +5,17 @@ under the Triton interpreter (TRITON_INTERPRET=1 must be set before triton is im
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
 from pellucid.models import layers
+from tests.gpu.check_support import assert_close
 
 
 def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(torch.float32)
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape, f"{what}: {out.dtype}{tuple(out.shape)} vs {ref.dtype}{tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-    # bf16: one rounding step is ~4e-3 relative; the Triton interpreter truncates instead of rounding to nearest.
-    limit = 1e-5 if dtype == torch.float32 else (2e-2 if os.environ.get("TRITON_INTERPRET") == "1" else 4e-3)
-    assert err < limit, f"{what}: relative error {err:.3g} >= {limit}"
 
 
 def check_rms_norm(device: str, dtype: torch.dtype, seed: int) -> None:
@@ -33,7 +24,7 @@ def check_rms_norm(device: str, dtype: torch.dtype, seed: int) -> None:
     for shape in [(7, 64), (3, 4, 16), (5, 96)]:
         x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
         w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(device)
-        _close(rms_norm(x, w, 1e-6), _reference_rms_norm(x, w, 1e-6), dtype, f"rms_norm {shape} {dtype}")
+        assert_close(rms_norm(x, w, 1e-6), _reference_rms_norm(x, w, 1e-6), dtype, f"rms_norm {shape} {dtype}")
 
 
 def check_silu_and_mul(device: str, dtype: torch.dtype, seed: int) -> None:
@@ -43,7 +34,7 @@ def check_silu_and_mul(device: str, dtype: torch.dtype, seed: int) -> None:
         gate = (torch.randn(rows, cols, generator=g) * 2).to(dtype).to(device)
         up = torch.randn(rows, cols, generator=g).to(dtype).to(device)
         ref = torch.nn.functional.silu(gate) * up
-        _close(silu_and_mul(gate, up), ref, dtype, f"silu_and_mul {rows}x{cols} {dtype}")
+        assert_close(silu_and_mul(gate, up), ref, dtype, f"silu_and_mul {rows}x{cols} {dtype}")
 
 
 def check_rotary(device: str, dtype: torch.dtype, seed: int) -> None:
@@ -63,8 +54,8 @@ def check_rotary(device: str, dtype: torch.dtype, seed: int) -> None:
         sin = rope.cos_sin_cache[1].index_select(0, positions)
         ref_q, ref_k = layers.apply_rotary(q, cos, sin), layers.apply_rotary(k, cos, sin)
         rotary_inplace(positions, q, k, rope.cos_sin_cache)
-        _close(q, ref_q, dtype, f"rotary q {heads}/{kv_heads}x{head_dim} {dtype}")
-        _close(k, ref_k, dtype, f"rotary k {heads}/{kv_heads}x{head_dim} {dtype}")
+        assert_close(q, ref_q, dtype, f"rotary q {heads}/{kv_heads}x{head_dim} {dtype}")
+        assert_close(k, ref_k, dtype, f"rotary k {heads}/{kv_heads}x{head_dim} {dtype}")
 
 
 def run_all(device: str) -> None:

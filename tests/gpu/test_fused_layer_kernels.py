@@ -2,43 +2,21 @@
 on the CPU under the Triton interpreter) and a whole-model forward, fused against unfused, on the GPU."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from tests.gpu.check_support import run_script_under_interpreter, triton_importable
 
 
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _triton_importable(), reason="triton is not installed")
+@pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
 def test_fused_layer_kernels_under_triton_interpreter():
-    # The interpreter must be chosen before triton is imported, hence a fresh process.
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, os.path.join(HERE, "fused_layer_checks.py"), "cpu"], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_script_under_interpreter("fused_layer_checks.py")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_layer_kernels_on_gpu():
-    sys.path.insert(0, HERE)
-    try:
-        import fused_layer_checks
-    finally:
-        sys.path.remove(HERE)
-    fused_layer_checks.run_all("cuda")
+    from tests.gpu.fused_layer_checks import run_all
+    run_all("cuda")
 
 
 def _logits(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:

@@ -3,47 +3,18 @@ names it, /metrics exports its info gauge and its fast-path row counter grows wi
 missing asset stops the server at startup with the command that builds one."""
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from pellucid.cli import main as cli_main
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.server.server_harness import PELLUCID_CLI, free_port, start_serve_process, wait_healthy
 
 
 def serve(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "pellucid.cli", "serve", model_dir, "--port", str(port), "--device", "cpu",
-           "--num-kv-blocks", "128", "--max-model-len", "256", "--served-model-name", "tiny",
-           "--log-stats-interval", "0", "--uvicorn-log-level", "warning", *extra]
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy")
+    return start_serve_process(PELLUCID_CLI, model_dir, port, "--log-stats-interval", "0", *extra)
 
 
 def metric_value(text: str, metric: str, **labels: str) -> float:
@@ -65,7 +36,7 @@ def test_flashhead_is_active_under_pellucid_serve(flash_model_dir):
     url = f"http://127.0.0.1:{port}"
     proc = serve(flash_model_dir, port, "--head", "flashhead", "--head-options", '{"probes": 8}')
     try:
-        wait_healthy(proc, url)
+        wait_healthy(proc, url, timeout=180, interval=0.2)
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
         described = card["pellucid"]["lm_head"]
         assert described["name"] == "flashhead" and described["probes"] == 8 and described["clusters"] == 32

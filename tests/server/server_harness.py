@@ -1,9 +1,11 @@
 """Test harness: a real server on 127.0.0.1 (uvicorn in a background thread) and shared helpers."""
 from __future__ import annotations
 
-import contextlib
+import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from pellucid.server.app import build_app
 
 ENGINE_KWARGS = dict(device="cpu", num_kv_blocks=512, max_model_len=256)
 MODEL_NAME = "tiny-qwen3"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PELLUCID_CLI = [sys.executable, "-m", "pellucid.cli"]
 
 
 def free_port() -> int:
@@ -79,18 +83,25 @@ def wait_until(predicate, timeout: float = 15.0, interval: float = 0.02) -> None
         time.sleep(interval)
 
 
-@contextlib.contextmanager
-def slowed_steps(llm: AsyncLLM, seconds: float):
-    """Make every engine step take at least `seconds`, so a request is reliably still running later."""
-    core = llm._core
-    real_step = core.step
+def start_serve_process(launcher: list[str], model_dir: str, port: int, *extra: str) -> subprocess.Popen:
+    """`pellucid serve` in a child process on the CPU with small limits, the model served as "tiny".
+    `launcher` is the command line up to the `serve` subcommand; output (stdout and stderr) is piped."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [*launcher, "serve", model_dir, "--port", str(port), "--device", "cpu", "--num-kv-blocks", "128",
+           "--max-model-len", "256", "--served-model-name", "tiny", "--uvicorn-log-level", "warning", *extra]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
-    def slow_step():
-        time.sleep(seconds)
-        return real_step()
 
-    core.step = slow_step
-    try:
-        yield
-    finally:
-        del core.step
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, interval: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise AssertionError("server did not become healthy")

@@ -1,7 +1,6 @@
 """`pellucid serve` as a subprocess: startup banner, SIGTERM / SIGINT with a request in flight -> exit 0."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,9 +10,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import free_port
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from server_harness import free_port, start_serve_process, wait_healthy
 
 # The lead wires add_serve_parser into pellucid/cli.py; this drives the serve command on its own.
 SERVE = """
@@ -27,26 +24,7 @@ sys.exit(args.func(args))
 
 
 def start_serve(model_dir: str, port: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-c", SERVE, "serve", model_dir, "--port", str(port), "--device", "cpu",
-           "--num-kv-blocks", "128", "--max-model-len", "256", "--served-model-name", "tiny",
-           "--log-stats-interval", "0.5", "--uvicorn-log-level", "warning"]
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("server did not become healthy")
+    return start_serve_process([sys.executable, "-c", SERVE], model_dir, port, "--log-stats-interval", "0.5")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -55,7 +33,7 @@ def test_signal_with_a_request_in_flight_exits_zero(server_model_dir, sig):
     url = f"http://127.0.0.1:{port}"
     proc = start_serve(server_model_dir, port)
     try:
-        wait_healthy(proc, url)
+        wait_healthy(proc, url, timeout=120, interval=0.1)
         warmup = httpx.post(f"{url}/v1/completions", timeout=60,
                             json={"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
         assert warmup.status_code == 200, warmup.text

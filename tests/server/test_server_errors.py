@@ -6,6 +6,7 @@ import openai
 import pytest
 
 from server_harness import MODEL_NAME, start_server, wait_until
+from tests.step_faults import failing_step
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -73,30 +74,17 @@ def test_unknown_fields_are_ignored(server):
 
 
 def test_internal_failure_of_one_request_is_a_500_and_the_server_keeps_serving(server):
-    core = server.llm._core
-    real_step = core.step
-    failures = {"left": 1}
-
-    def failing_step():
-        if failures["left"]:
-            failures["left"] -= 1
-            raise RuntimeError("injected step failure")
-        return real_step()
-
-    core.step = failing_step
-    try:
+    with failing_step(server.llm) as fail_next_step:
         response = httpx.post(f"{server.base_url}/completions", timeout=60,
                               json={"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 4})
         assert response.status_code == 500
         assert "injected step failure" in response.json()["error"]["message"]
-        failures["left"] = 1
+        fail_next_step()
         with httpx.stream("POST", f"{server.base_url}/chat/completions", timeout=60,
                           json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "stream": True}) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert any('"error"' in line and "injected step failure" in line for line in lines)
         assert lines[-1] == "data: [DONE]"
-    finally:
-        del core.step
     good_request_succeeds(server)
     wait_until(lambda: server.llm.get_stats().num_used_blocks == 0)
 

@@ -8,7 +8,8 @@ import openai
 import pytest
 
 from pellucid.sampling_params import SamplingParams
-from server_harness import MODEL_NAME, parse_metric, random_prompts, slowed_steps, wait_until
+from server_harness import MODEL_NAME, parse_metric, random_prompts, wait_until
+from tests.step_faults import slowed_steps
 
 
 def engine_idle(server) -> bool:

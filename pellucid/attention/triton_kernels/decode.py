@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.attention.triton_kernels.tile import attend_tile
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -57,30 +59,14 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     cache_head = kv_head * stride_cache_head
+    block_table_row_ptr = block_table_ptr + req * stride_block_table
+    # The one query row of each head sits at position seq_len - 1: it sees every key of the split.
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        block = tl.load(block_table_ptr + req * stride_block_table + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        row = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + cache_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-        # every tile holds at least one valid key, so m_new is finite and no row becomes NaN
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                                    cache_head, q_pos, end, scale_log2, offs_n, offs_d, d_mask,
+                                    stride_cache_block, stride_cache_slot,
+                                    BLOCK_SIZE=BLOCK_SIZE, MASKED=True, IEEE_DOT=IEEE_DOT)
 
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding) yields zeros, not NaN
     result = acc / safe_l[:, None]

@@ -13,42 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr, cache_head,
-                 q_pos, kv_end, scale_log2, offs_n, offs_d, d_mask,
-                 stride_cache_block, stride_cache_slot,
-                 BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
-    pos = n0 + offs_n
-    if MASKED:
-        n_mask = pos < kv_end
-        block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-    else:
-        block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE)
-        kv_mask = d_mask[None, :]
-    row = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + cache_head
-    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if IEEE_DOT:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * scale_log2
-    if MASKED:
-        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-    # key 0 is visible to every row and lies in the first tile, so m_new is finite after it
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
+from pellucid.attention.triton_kernels.tile import attend_tile
 
 
 @triton.jit
@@ -104,15 +69,15 @@ def _unified_attention_kernel(
     kv_end = tl.minimum(seq_len, num_computed + q_first + BLOCK_Q)
     full_end = ((num_computed + q_first) // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-                                     cache_head, q_pos, kv_end, scale_log2, offs_n, offs_d, d_mask,
-                                     stride_cache_block, stride_cache_slot,
-                                     BLOCK_SIZE=BLOCK_SIZE, MASKED=False, IEEE_DOT=IEEE_DOT)
+        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                                    cache_head, q_pos, kv_end, scale_log2, offs_n, offs_d, d_mask,
+                                    stride_cache_block, stride_cache_slot,
+                                    BLOCK_SIZE=BLOCK_SIZE, MASKED=False, IEEE_DOT=IEEE_DOT)
     for n0 in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-                                     cache_head, q_pos, kv_end, scale_log2, offs_n, offs_d, d_mask,
-                                     stride_cache_block, stride_cache_slot,
-                                     BLOCK_SIZE=BLOCK_SIZE, MASKED=True, IEEE_DOT=IEEE_DOT)
+        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                                    cache_head, q_pos, kv_end, scale_log2, offs_n, offs_d, d_mask,
+                                    stride_cache_block, stride_cache_slot,
+                                    BLOCK_SIZE=BLOCK_SIZE, MASKED=True, IEEE_DOT=IEEE_DOT)
 
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / safe_l[:, None]

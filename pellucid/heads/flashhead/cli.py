@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from pellucid.heads.flashhead.crossover import capture_cuda_graph
 from pellucid.logger import get_logger
 
 logger = get_logger(__name__)
@@ -53,15 +54,7 @@ def measure_latency_us(fn: Callable[[], object], device: torch.device, repeats: 
         return statistics.median(times)
     call = fn
     if cuda_graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        call = graph.replay
+        call = capture_cuda_graph(fn).replay
         for _ in range(warmup):
             call()
     torch.cuda.synchronize()

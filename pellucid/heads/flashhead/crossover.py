@@ -15,12 +15,9 @@ import torch
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def time_us(fn: Callable[[], object], replays: int = 10, groups: int = 5) -> float:
-    """GPU microseconds per call: median over `groups` of the mean of `replays` CUDA-graph replays. GPU
-    time, not eager time: in a decode step the head's launches overlap the model's forward still running
-    on the GPU, so what the step pays is the head's GPU time (eager timing at batch 1 measures launches)."""
-    for _ in range(3):      # compiles the kernels for this shape
-        fn()
+def capture_cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`fn` captured as a CUDA graph, after one run on a side stream (as torch asks before a capture, so
+    lazy allocations and autotuning happen outside it)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -29,6 +26,16 @@ def time_us(fn: Callable[[], object], replays: int = 10, groups: int = 5) -> flo
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def time_us(fn: Callable[[], object], replays: int = 10, groups: int = 5) -> float:
+    """GPU microseconds per call: median over `groups` of the mean of `replays` CUDA-graph replays. GPU
+    time, not eager time: in a decode step the head's launches overlap the model's forward still running
+    on the GPU, so what the step pays is the head's GPU time (eager timing at batch 1 measures launches)."""
+    for _ in range(3):      # compiles the kernels for this shape
+        fn()
+    graph = capture_cuda_graph(fn)
     graph.replay()
     samples = []
     for _ in range(groups):

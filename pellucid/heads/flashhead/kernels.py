@@ -146,13 +146,12 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + position, offs.to(tl.int64), mask=chosen)
 
     @triton.jit
-    def _stage2_kernel(hidden_ptr, weight_ptr, ids_ptr, clusters_ptr, logits_ptr, token_ids_ptr,
-                       num_probes, hidden_size, stride_hidden, stride_clusters, stride_out,
-                       SIZE: tl.constexpr, SIZE_P2: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
-        row = tl.program_id(0)
-        pid_p = tl.program_id(1)
-        # One tile row per (probe, slot) pair: BLOCK_P clusters of SIZE contiguous weight rows each
-        # (slots padded to a power of two for tl.arange, the padding masked off).
+    def _stage2_tile(hidden_ptr, weight_ptr, ids_ptr, clusters_ptr, row, pid_p, num_probes, hidden_size,
+                     stride_hidden, stride_clusters, SIZE: tl.constexpr, SIZE_P2: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Stage 2's logits for one tile: one tile row per (probe, slot) pair, BLOCK_P clusters of SIZE
+        contiguous weight rows each (slots padded to a power of two for tl.arange, the padding masked off).
+        Returns (logits, token ids, probe, slot, mask); slots without a token (id -1) get -inf."""
         offs_t = tl.arange(0, BLOCK_P * SIZE_P2)
         probe = pid_p * BLOCK_P + offs_t // SIZE_P2
         slot = offs_t % SIZE_P2
@@ -169,6 +168,17 @@ if triton is not None:
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         token = tl.load(ids_ptr + weight_row, mask=mask_t, other=-1)
         logits = tl.where(token >= 0, acc, float("-inf"))
+        return logits, token, probe, slot, mask_t
+
+    @triton.jit
+    def _stage2_kernel(hidden_ptr, weight_ptr, ids_ptr, clusters_ptr, logits_ptr, token_ids_ptr,
+                       num_probes, hidden_size, stride_hidden, stride_clusters, stride_out,
+                       SIZE: tl.constexpr, SIZE_P2: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+        row = tl.program_id(0)
+        pid_p = tl.program_id(1)
+        logits, token, probe, slot, mask_t = _stage2_tile(
+            hidden_ptr, weight_ptr, ids_ptr, clusters_ptr, row, pid_p, num_probes, hidden_size, stride_hidden,
+            stride_clusters, SIZE, SIZE_P2, BLOCK_P, BLOCK_H)
         out = row * stride_out + probe * SIZE + slot
         tl.store(logits_ptr + out, logits, mask=mask_t)
         tl.store(token_ids_ptr + out, token, mask=mask_t)
@@ -184,23 +194,9 @@ if triton is not None:
         by stage 1 (or by the caller) earlier on the same stream."""
         row = tl.program_id(0)
         pid_p = tl.program_id(1)
-        # The same tile as _stage2_kernel (written out twice: Triton inlines no tuple-returning helpers here).
-        offs_t = tl.arange(0, BLOCK_P * SIZE_P2)
-        probe = pid_p * BLOCK_P + offs_t // SIZE_P2
-        slot = offs_t % SIZE_P2
-        mask_t = (probe < num_probes) & (slot < SIZE)
-        cluster = tl.load(clusters_ptr + row * stride_clusters + probe, mask=mask_t, other=0)
-        weight_row = (cluster * SIZE + slot).to(tl.int64)
-        offs_h = tl.arange(0, BLOCK_H)
-        acc = tl.zeros((BLOCK_P * SIZE_P2,), dtype=tl.float32)
-        for h0 in range(0, hidden_size, BLOCK_H):
-            mask_h = (h0 + offs_h) < hidden_size
-            x = tl.load(hidden_ptr + row * stride_hidden + h0 + offs_h, mask=mask_h, other=0.0)
-            w = tl.load(weight_ptr + weight_row[:, None] * hidden_size + h0 + offs_h[None, :],
-                        mask=mask_t[:, None] & mask_h[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        token = tl.load(ids_ptr + weight_row, mask=mask_t, other=-1)
-        logits = tl.where(token >= 0, acc, float("-inf"))
+        logits, token, probe, slot, mask_t = _stage2_tile(
+            hidden_ptr, weight_ptr, ids_ptr, clusters_ptr, row, pid_p, num_probes, hidden_size, stride_hidden,
+            stride_clusters, SIZE, SIZE_P2, BLOCK_P, BLOCK_H)
         packed = (_ordered_int32(logits).to(tl.int64) << 32) | (2147483647 - token).to(tl.int64)
         lowest = tl.full((BLOCK_P * SIZE_P2,), -9223372036854775807 - 1, tl.int64)
         local = tl.max(tl.where(mask_t & (token >= 0), packed, lowest), axis=0)
@@ -251,10 +247,14 @@ def _stage2_blocks(rows: int, size: int, hidden_size: int, block_p: int | None,
                    block_h: int | None) -> tuple[int, int]:
     # Measured on an H100 (Qwen3-0.6B / Llama-3.2-1B head shapes, S = 16, 2026-11-23): two clusters per
     # program at every batch; below batch 8 the whole hidden vector (up to 1024) per load, 256 from 8 on.
+    size_p2 = triton.next_power_of_2(size)
     if block_p is None:
-        block_p = max(1, 32 // size)
+        block_p = max(1, 32 // size_p2)
     if block_h is None:
         block_h = min(triton.next_power_of_2(hidden_size), 1024 if rows < 8 else 256)
+    # tl.arange needs powers of two (the CPU interpreter does not check, the GPU compiler does)
+    if block_p & (block_p - 1) or block_h & (block_h - 1):
+        raise ValueError(f"stage 2 block_p and block_h must be powers of two, got {block_p}, {block_h}")
     return block_p, block_h
 
 

@@ -1,0 +1,44 @@
+"""One step of online-softmax attention over a tile of paged KV, shared by the decode and unified kernels."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr, cache_head,
+                q_pos, kv_end, scale_log2, offs_n, offs_d, d_mask,
+                stride_cache_block, stride_cache_slot,
+                BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """Fold keys n0..n0+BLOCK_N (those before kv_end and at most each row's q_pos when MASKED) into
+    (acc, m_i, l_i). Unmasked tiles must lie wholly before kv_end and every row's q_pos."""
+    pos = n0 + offs_n
+    if MASKED:
+        n_mask = pos < kv_end
+        block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE)
+        kv_mask = d_mask[None, :]
+    row = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + cache_head
+    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2
+    if MASKED:
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    # The callers' first tile holds a key every row sees, so m_new is finite from then on and no row is NaN.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i

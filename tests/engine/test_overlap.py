@@ -1,0 +1,173 @@
+"""Async scheduling (step N+1 launched before step N's outputs are processed) keeps the serial semantics.
+
+The reference is the same engine run serially on the same random model: every report of every step must
+be identical. The cases async scheduling makes new get their own checks: a stop string found in step N's
+text while step N+1 already holds the request (the N+1 token is dropped, never reported, blocks freed),
+and an abort while a step is in flight.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pellucid.config import EngineConfig
+from pellucid.engine.engine_core import EngineCore
+from pellucid.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3")
+
+
+def _engine(model_dir: str, async_scheduling: bool, **kwargs) -> EngineCore:
+    config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", max_model_len=256,
+                                      async_scheduling=async_scheduling, **kwargs)
+    return EngineCore(config)
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 400, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(count)]
+
+
+def _snapshot(out) -> tuple:
+    return (out.request_id, out.finished, out.error,
+            tuple((c.index, c.text, tuple(c.token_ids), c.finish_reason, c.stop_reason,
+                   None if c.logprobs is None else len(c.logprobs)) for c in out.outputs))
+
+
+def _run(engine: EngineCore, requests: list[tuple[str, list[int], SamplingParams, bool]]) -> list[list[tuple]]:
+    for rid, prompt, params, stream in requests:
+        engine.add_request(rid, prompt, params, stream=stream)
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append(sorted(_snapshot(o) for o in engine.step()))
+    return steps
+
+
+def _mixed_requests(seed: int, stop: list[str]) -> list[tuple[str, list[int], SamplingParams, bool]]:
+    prompts = _prompts(seed, 6)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=seed, max_tokens=12, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=stop),
+        SamplingParams(temperature=0.7, seed=seed + 7, max_tokens=10, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=14, min_tokens=4, stop=stop, include_stop_str_in_output=True),
+        SamplingParams(temperature=0.9, seed=seed + 3, top_k=20, max_tokens=11, repetition_penalty=1.2),
+    ]
+    return [(f"r{i}", prompt, p, i % 2 == 0) for i, (prompt, p) in enumerate(zip(prompts, params))]
+
+
+def _stop_strings_from_serial(model_dir: str, seed: int) -> list[str]:
+    """Stop strings that the greedy stop-string request really produces a few tokens in."""
+    engine = _engine(model_dir, async_scheduling=False)
+    prompt = _prompts(seed, 6)[2]
+    engine.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), stream=False)
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+    assert len(text) > 8, f"the tiny model decoded too little text to place a stop string: {text!r}"
+    return [text[5:8]]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_step_reports_the_same_as_serial(model_dir, seed):
+    stop = _stop_strings_from_serial(model_dir, seed)
+    serial = _run(_engine(model_dir, async_scheduling=False), _mixed_requests(seed, stop))
+    overlapped_engine = _engine(model_dir, async_scheduling=True)
+    overlapped = _run(overlapped_engine, _mixed_requests(seed, stop))
+    assert overlapped == serial
+    assert overlapped_engine.block_pool.num_used_blocks == 0
+    assert not overlapped_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_preemption_under_async_scheduling_matches_serial(model_dir, seed):
+    # A pool this small makes the later requests preempt and recompute.
+    requests = [(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), True)
+                for i, prompt in enumerate(_prompts(seed, 5))]
+    serial_engine = _engine(model_dir, async_scheduling=False, num_kv_blocks=12, block_size=16)
+    serial = _run(serial_engine, requests)
+    overlapped_engine = _engine(model_dir, async_scheduling=True, num_kv_blocks=12, block_size=16)
+    overlapped = _run(overlapped_engine, requests)
+    assert serial_engine.scheduler.num_preemptions > 0
+    assert overlapped_engine.scheduler.num_preemptions == serial_engine.scheduler.num_preemptions
+    assert overlapped == serial
+    assert overlapped_engine.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_stop_string_found_while_next_step_in_flight(model_dir, seed):
+    stop = _stop_strings_from_serial(model_dir, seed)
+    prompt = _prompts(seed, 6)[2]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=stop)
+    engine = _engine(model_dir, async_scheduling=True)
+    engine.add_request("s", prompt, params)
+    request = engine.outputs.children_of("s")[0]
+    reports = []
+    while engine.has_unfinished_requests():
+        reports += engine.step()
+        if reports and reports[-1].finished and engine._in_flight is not None:
+            # The step launched before the stop string was found still holds the request; its blocks
+            # are already free, and collecting that step must not add its token.
+            assert engine.block_pool.num_used_blocks == 0
+            tokens_at_stop = list(request.output_token_ids)
+    final = reports[-1]
+    assert final.finished and final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop[0]
+    assert engine.num_discarded_tokens == 1            # the in-flight token of the stopped request
+    assert request.output_token_ids == tokens_at_stop  # nothing appended after the stop
+    assert len(reports) == len(final.outputs[0].token_ids)   # one report per kept token, none after the end
+    assert stop[0] not in final.outputs[0].text
+    assert engine.block_pool.num_used_blocks == 0
+    # The same tokens as the serial engine, which never schedules past the stop.
+    serial = _engine(model_dir, async_scheduling=False)
+    serial.add_request("s", prompt, params)
+    serial_final = None
+    while serial.has_unfinished_requests():
+        serial_final = next((o for o in serial.step() if o.finished), serial_final)
+    assert _snapshot(serial_final) == _snapshot(final)
+    assert serial.num_discarded_tokens == 0
+    assert engine.stats().generation_tokens_total == serial.stats().generation_tokens_total
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_abort_while_step_in_flight(model_dir, seed):
+    prompts = _prompts(seed, 2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = _engine(model_dir, async_scheduling=True)
+    engine.add_request("keep", prompts[0], params)
+    engine.add_request("gone", prompts[1], params)
+    gone = engine.outputs.children_of("gone")[0]
+    reported_gone = []
+    for _ in range(3):
+        reported_gone += [o for o in engine.step() if o.request_id == "gone"]
+    assert engine._in_flight is not None and gone in engine._in_flight.so.requests
+    tokens_before_abort = list(gone.output_token_ids)
+    blocks_before = engine.block_pool.num_used_blocks
+    engine.abort_request("gone")
+    assert engine.block_pool.num_used_blocks < blocks_before        # freed at once, step still in flight
+    keep_reports = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        reported_gone += [o for o in outs if o.request_id == "gone"]
+        keep_reports += [o for o in outs if o.request_id == "keep"]
+    last = reported_gone[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert list(last.outputs[0].token_ids) == tokens_before_abort == gone.output_token_ids
+    assert engine.num_discarded_tokens == 1
+    assert engine.block_pool.num_used_blocks == 0
+    # The other request is untouched by the abort: the same tokens as alone on a serial engine.
+    serial = _engine(model_dir, async_scheduling=False)
+    serial.add_request("keep", prompts[0], params)
+    serial_final = None
+    while serial.has_unfinished_requests():
+        serial_final = next((o for o in serial.step() if o.finished), serial_final)
+    assert _snapshot(keep_reports[-1]) == _snapshot(serial_final)
+
+
+def test_async_scheduling_defaults_to_the_device(model_dir):
+    config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", max_model_len=128)
+    assert EngineCore(config).async_scheduling is False   # CPU: nothing runs asynchronously to overlap
