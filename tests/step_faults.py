@@ -33,7 +33,9 @@ def failing_step(llm: AsyncLLM) -> Iterator[Callable[[], None]]:
     failures = {"left": 1}
 
     def step():
-        if failures["left"]:
+        # Only a step with requests to run may consume the failure: the loop also steps to flush the
+        # outputs of requests it just failed, and that must not use up a failure armed for the next request.
+        if failures["left"] and core.scheduler.has_unfinished_requests():
             failures["left"] -= 1
             raise RuntimeError("injected step failure")
         return real_step()
