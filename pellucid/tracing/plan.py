@@ -48,8 +48,9 @@ class TracePlan:
         self.has_logits_ops = self.has_tokens_ops = self.edits_logits = False
         # Per target: the tap program (taps.py), or None where the per-request path runs; built lazily.
         self.tap_programs: dict[tuple[str, str], Any] = {}
-        # Per save name: the (positions, rows, start) chunks recorded, in recording order (see record_save).
-        self.saves: dict[str, list[tuple[np.ndarray, torch.Tensor, int | None]]] = {}
+        # Per save name: the chunks recorded, in recording order, as a flat list positions, rows, start,
+        # positions, rows, start, ... (see record_save).
+        self.saves: dict[str, list[Any]] = {}
         self.error: str | None = None
         self.error_traceback: str | None = None
         self.newly_failed = False                     # failed during the current step (runner reports it)
@@ -114,10 +115,13 @@ class TracePlan:
         one copy for all its rows), sliced when the saves are assembled. Chunks are kept whole, not
         split per position (a per-row Python loop costs ~1 us x tokens x saves per step, which
         extraction of long prompts feels); a position recorded again (recomputed after preemption)
-        replaces the earlier row when the saves are assembled, so it is never duplicated."""
+        replaces the earlier row when the saves are assembled, so it is never duplicated.
+        The list is flat (no tuple per record): a decode step records one row per request, and that
+        many surviving container objects per step make Python's cyclic GC run full collections of
+        the whole heap (~100 ms each) every few hundred steps."""
         if not isinstance(positions, int):      # an int (one row) stays unboxed until finalize
             positions = np.asarray(positions, dtype=np.int64)
-        self.saves[self.save_names[op_index]].append((positions, rows, start))
+        self.saves[self.save_names[op_index]].extend((positions, rows, start))
 
     def fail(self, op_index: int, exc: BaseException) -> None:
         op = self.ops[op_index]
@@ -129,45 +133,138 @@ class TracePlan:
 
     def finalize(self) -> dict[str, Any]:
         """Saves stacked in position order on the CPU, their positions, or the error."""
-        self.finalized = True
-        if self.failed:
-            return {"trace_error": {"message": self.error, "traceback": self.error_traceback}}
-        saves, positions = {}, {}
-        for index, name in self.save_names.items():
-            chunks = self.saves[name]
-            site = self.sites[index]
-            if not chunks:
+        return finalize_plans([self])[0]
+
+
+def finalize_plans(plans: list[TracePlan]) -> list[dict[str, Any]]:
+    """`finalize` for several plans at once (the requests that finish in one step): all their saves are
+    gathered together, with at most one copy per distinct recorded chunk, one reordering gather and one
+    stream sync, instead of slices, a concatenation and a sync per request and save."""
+    results: list[dict[str, Any]] = []
+    wanted: list[_Wanted] = []
+    for plan in plans:
+        plan.finalized = True
+        if plan.failed:
+            results.append({"trace_error": {"message": plan.error, "traceback": plan.error_traceback}})
+            continue
+        saves: dict[str, torch.Tensor] = {}
+        positions: dict[str, list[int]] = {}
+        for index, name in plan.save_names.items():
+            chunks = plan.saves[name]
+            if chunks:
+                wanted.append(_Wanted(saves, positions, name, chunks))
+            else:
+                site = plan.sites[index]
                 saves[name] = torch.empty((0, *site.shape), dtype=site.dtype)
                 positions[name] = []
-                continue
-            recorded = np.concatenate([np.atleast_1d(p) for p, _, _ in chunks]).astype(np.int64)
-            parts = [r if start is None else r[start:start + np.size(p)] for p, r, start in chunks]
-            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-            # For each distinct position (sorted), the row recorded last.
-            order, first_in_reversed = np.unique(recorded[::-1], return_index=True)
-            last = recorded.size - 1 - first_in_reversed
-            if not np.array_equal(last, np.arange(recorded.size)):
-                rows = rows[torch.as_tensor(last, device=rows.device)]
-            shared = rows is parts[0] and chunks[0][2] is not None
-            rows = _to_host(rows)
-            # A slice of a step's shared chunk must not alias other requests' saves (saves are copies).
-            saves[name] = rows.clone() if shared and rows.data_ptr() == parts[0].data_ptr() else rows
-            positions[name] = order.tolist()
-        if any(t.is_pinned() for t in saves.values()):
-            torch.cuda.current_stream().synchronize()     # completes _to_host's non-blocking copies
-        self.saves = {}
-        return {"saves": saves, "save_positions": positions}
+        plan.saves = {}
+        results.append({"saves": saves, "save_positions": positions})
+    groups: dict[tuple[Any, ...], list[_Wanted]] = {}
+    for w in wanted:
+        first = w.chunks[1]
+        groups.setdefault((tuple(first.shape[1:]), first.dtype, first.device), []).append(w)
+    queued = False
+    for group in groups.values():
+        queued |= _gather_group(group)
+    if queued:
+        torch.cuda.current_stream().synchronize()     # completes the non-blocking device-to-host copies
+    return results
 
 
-def _to_host(rows: torch.Tensor) -> torch.Tensor:
-    """CPU copy of a save. Device tensors go through pinned memory (PyTorch caches those buffers): a
-    pageable copy runs at a fraction of the bandwidth and stalls the step loop on large saves (hidden-
-    state extraction moves tens of MB per request). The caller synchronizes the stream afterwards."""
-    if rows.device.type != "cuda":
-        return rows.to("cpu")
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    host.copy_(rows, non_blocking=True)
-    return host
+class _Wanted:
+    """One save of one finishing request: its recorded chunks, and the dicts its result goes to."""
+
+    __slots__ = ("saves", "positions", "name", "chunks", "count")
+
+    def __init__(self, saves: dict[str, torch.Tensor], positions: dict[str, list[int]], name: str,
+                 chunks: list[Any]) -> None:
+        self.saves, self.positions, self.name, self.chunks = saves, positions, name, chunks
+        self.count = 0          # rows of its assembled save
+
+
+def _gather_group(group: list[_Wanted]) -> bool:
+    """Assemble the saves of `group` (one per-token shape, dtype and device), vectorised over every
+    record of every save. Returns whether non-blocking device-to-host copies were queued (the caller
+    synchronizes once for all)."""
+    # Every record (positions, chunk, first row) of the group, flattened.
+    positions_of: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    starts_of: list[int | None] = []
+    records_per_want = np.empty(len(group), dtype=np.int64)
+    for k, w in enumerate(group):
+        flat = w.chunks            # positions, rows, start, positions, rows, start, ...
+        positions_of.extend(flat[0::3])
+        tensors.extend(flat[1::3])
+        starts_of.extend(flat[2::3])
+        records_per_want[k] = len(flat) // 3
+    num_records = len(tensors)
+    # A record holds one row (an int position: a decode step) or an array of positions.
+    multi = [i for i, p in enumerate(positions_of) if type(p) is not int]
+    sizes = np.ones(num_records, dtype=np.int64)
+    for i in multi:
+        sizes[i] = positions_of[i].size
+    record_starts = np.cumsum(sizes) - sizes
+    if multi:
+        positions = np.empty(int(sizes.sum()), dtype=np.int64)
+        single = np.ones(num_records, dtype=bool)
+        single[multi] = False
+        positions[record_starts[single]] = [p for p, one in zip(positions_of, single.tolist()) if one]
+        for i in multi:
+            positions[record_starts[i]:record_starts[i] + sizes[i]] = positions_of[i]
+    else:
+        positions = np.array(positions_of, dtype=np.int64)
+    _, first, chunk_of_record = np.unique(np.fromiter(map(id, tensors), dtype=np.int64, count=num_records),
+                                          return_index=True, return_inverse=True)
+    chunks = [tensors[i] for i in first.tolist()]
+    record_of_row = np.repeat(np.arange(num_records), sizes)
+    first_rows = np.fromiter((s or 0 for s in starts_of), dtype=np.int64, count=num_records)
+    local_row = first_rows[record_of_row] + np.arange(positions.size) - record_starts[record_of_row]
+    chunk_sizes = np.array([c.shape[0] for c in chunks], dtype=np.int64)
+    bases = np.cumsum(chunk_sizes) - chunk_sizes
+    row_in_all = bases[chunk_of_record[record_of_row]] + local_row    # in a virtual concatenation of the chunks
+    # Per save, each distinct position (sorted) from the row recorded last: a recompute after preemption
+    # replaces the earlier value, so no position is duplicated.
+    want_of_row = np.repeat(np.arange(len(group)), records_per_want)[record_of_row]
+    span = int(positions.max()) + 1
+    keys, first_in_reversed = np.unique((want_of_row * span + positions)[::-1], return_index=True)
+    wanted_rows = row_in_all[positions.size - 1 - first_in_reversed]
+    counts = np.bincount(keys // span, minlength=len(group))
+    for w, saved in zip(group, np.split(keys % span, np.cumsum(counts)[:-1])):
+        w.positions[w.name] = saved.tolist()
+        w.count = saved.size
+    # Copy only the rows someone wants: whole chunks, slices or one gather per chunk, then one reorder.
+    needed = np.unique(wanted_rows)
+    owner = np.searchsorted(bases, needed, side="right") - 1
+    device = chunks[0].device
+    pieces = []
+    for segment in np.split(np.arange(needed.size), np.flatnonzero(np.diff(owner)) + 1):
+        c = int(owner[segment[0]])
+        local = needed[segment] - bases[c]
+        if local.size == chunk_sizes[c]:
+            pieces.append(chunks[c])            # every row of the chunk, in order
+        elif local[-1] - local[0] + 1 == local.size:
+            pieces.append(chunks[c][int(local[0]):int(local[-1]) + 1])
+        else:
+            pieces.append(chunks[c].index_select(0, torch.as_tensor(local, device=device)))
+    gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    order = np.searchsorted(needed, wanted_rows)
+    if order.size != needed.size or np.any(order != np.arange(order.size)):   # else no reordering gather
+        gathered = gathered.index_select(0, torch.as_tensor(order, device=device))
+    fresh = gathered._base is None and not any(gathered is c for c in chunks)
+    queued = False
+    offset = 0
+    for w in group:
+        rows = gathered[offset:offset + w.count]
+        offset += w.count
+        if device.type == "cuda":
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            queued = True
+        else:
+            # A save is a copy that shares memory with nothing else (no other save, no activation).
+            host = rows if fresh and len(group) == 1 else rows.clone()
+        w.saves[w.name] = host
+    return queued
 
 
 def _save_names(ops: list[Op]) -> dict[int, str]:
@@ -214,14 +311,20 @@ def prepare_traced_request(request: Any, num_samples: int, runner: Any) -> None:
 
 
 def finish_traced_requests(requests: Iterable[Any]) -> None:
-    """Publish the saves (or the trace error) of traced requests that just finished."""
+    """Publish the saves (or the trace error) of traced requests that just finished, assembled together."""
+    finishing = []
     for request in requests:
-        plan = request.extras.get(TRACE_KEY)
-        if plan is None or not request.is_finished or not isinstance(plan, TracePlan) or not plan.bound:
+        extras = request.extras
+        plan = extras.get(TRACE_KEY) if extras else None
+        # Cheapest tests first: this runs over every request that progressed, every step.
+        if plan is None or not isinstance(plan, TracePlan) or not plan.bound or plan.finalized:
             continue
-        if plan.finalized:
+        if not request.is_finished:
             continue
-        outputs = request.extras.setdefault(OUTPUTS_KEY, {})
         if request.error is not None and not plan.failed:
             plan.error = request.error
-        outputs.update(plan.finalize())
+        finishing.append((request, plan))
+    if not finishing:
+        return
+    for (request, _), result in zip(finishing, finalize_plans([plan for _, plan in finishing])):
+        request.extras.setdefault(OUTPUTS_KEY, {}).update(result)

@@ -207,22 +207,68 @@ class _StaticBuffers:
         self.post = torch.zeros((rows, *shape), dtype=dtype, device=device)
 
 
+@dataclass(slots=True)
+class _EditState:
+    """What a target's keep / scale / add tensors were computed from."""
+
+    params: np.ndarray
+    value_index: np.ndarray
+    table: torch.Tensor
+    static: bool
+    keep: torch.Tensor
+    scale: torch.Tensor
+    add: torch.Tensor
+
+
 class TapRuntime:
     """Per-runner state that outlives a step: host staging buffers and the graphs' static buffers."""
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
         self.max_rows = max_rows
         self.device = device
-        self.host: dict[Target, _HostBuffers] = {}
+        # Host staging alternates between two sets per target: under async scheduling the next step is
+        # filled before this one's readback, while this step's host-to-device copies may still be queued.
+        self.host: dict[Target, list[_HostBuffers]] = {}
+        self.uses: dict[Any, int] = {}
         self.static: dict[Target, _StaticBuffers] = {}
         self.last_trace: Any = None     # the last decode step's StepTrace, reused by the next one (hooks.py)
         # Per target: (key of the value forms, the step's value table, the forms it was built from).
         self.tables: dict[Target, tuple[tuple[Any, ...], torch.Tensor, list[torch.Tensor]]] = {}
+        # Per (target, stage): two alternating pinned staging buffers for the save row index, grown as needed.
+        self.index_staging: dict[tuple[Target, str], list[torch.Tensor | None]] = {}
+        # Per target: the last edit tensors sent to the device and the host values they came from, so a
+        # step with the same values (a steering vector on every decode step) sends and computes nothing.
+        self.last_edit: dict[Target, _EditState] = {}
+
+    def _next_slot(self, key: Any) -> int:
+        use = self.uses.get(key, 0)
+        self.uses[key] = use + 1
+        return use % 2
 
     def host_buffers(self, target: Target) -> _HostBuffers:
-        if target not in self.host:
-            self.host[target] = _HostBuffers(self.max_rows, self.device)
-        return self.host[target]
+        """The target's staging for this step (call once per step; the two sets alternate)."""
+        pair = self.host.get(target)
+        if pair is None:
+            pair = self.host[target] = [_HostBuffers(self.max_rows, self.device),
+                                        _HostBuffers(self.max_rows, self.device)]
+        return pair[self._next_slot(target)]
+
+    def index_to_device(self, target: Target, stage: str, rows: np.ndarray) -> torch.Tensor:
+        """`rows` as an int64 index on the device, staged through a persistent pinned buffer (a fresh
+        pin per step costs an allocation and an extra host copy)."""
+        host = torch.from_numpy(rows)
+        if self.device.type == "cpu":
+            return host
+        key = (target, stage)
+        pair = self.index_staging.setdefault(key, [None, None])
+        slot = self._next_slot(key)
+        staging = pair[slot]
+        if staging is None or staging.shape[0] < rows.size:
+            staging = pair[slot] = torch.empty(max(rows.size, self.max_rows), dtype=torch.int64, pin_memory=True)
+        staging[:rows.size].copy_(host)
+        # Two alternating buffers, as host_buffers: the copy queued from this one is done by the time
+        # it is rewritten, two steps later (the step in between has read its tokens back).
+        return staging[:rows.size].to(self.device, non_blocking=True)
 
     def static_buffers(self, target: Target, shape: tuple[int, ...], dtype: torch.dtype) -> _StaticBuffers:
         if target not in self.static:
@@ -256,11 +302,9 @@ class _Stage:
             self.rows.extend(rows.tolist())
             self.count += rows.size
 
-    def finish_host(self, device: torch.device) -> None:
+    def finish_host(self, runtime: TapRuntime, target: Target, name: str) -> None:
         if self.count:
-            host = torch.tensor(self.rows, dtype=torch.int64)
-            # Pinned (from the caching host allocator) so the copy is truly asynchronous.
-            self.index = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+            self.index = runtime.index_to_device(target, name, np.asarray(self.rows, dtype=np.int64))
 
     def record(self, chunk: torch.Tensor) -> None:
         for r in self.records:
@@ -271,19 +315,16 @@ class _Stage:
 class _DecodeStage:
     """A save stage of a decode step: one row per hit (user, save op) pair, recorded with no per-row numpy."""
 
-    def __init__(self, rows: np.ndarray, lists: list[list[Any]], positions: list[int], device: torch.device) -> None:
-        self.count = rows.size
+    def __init__(self, lists: list[list[Any]], positions: list[int], index: torch.Tensor | None) -> None:
+        self.count = len(lists)
         self.lists, self.positions = lists, positions
-        self.index = None
-        if self.count:
-            host = torch.from_numpy(rows)
-            self.index = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+        self.index = index
 
     def record(self, chunk: torch.Tensor) -> None:
-        # Straight into each plan's save list (TracePlan.record_save's format): a failed plan has swapped
-        # in a fresh dict, so whatever lands in its old list is dropped with it.
+        # Straight into each plan's save list (TracePlan.record_save's flat format): a failed plan has
+        # swapped in a fresh dict, so whatever lands in its old list is dropped with it.
         for k, (saves, position) in enumerate(zip(self.lists, self.positions)):
-            saves.append((position, chunk, k))
+            saves.extend((position, chunk, k))
 
 
 class _DecodeLayout:
@@ -312,6 +353,12 @@ class _DecodeLayout:
                     self.tables.extend(forms)
                     next_row += sum(f.shape[0] for f in forms)
                 self.starts[i] = table_rows[key]
+        self.table: torch.Tensor | None = None       # built on the first fill (the forms are fixed)
+        # Every user advances one position per step (hooks.py reuses a decode layout only then), so the
+        # positions are the first ones plus the number of steps since.
+        self.first_positions = np.array([u.first_position for u in users], dtype=np.int64)
+        # Per stage: the rows of the last step's hits and their device index, reused while unchanged.
+        self.last_index: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
         self.stages = {}
         for name in ("pre_saves", "post_saves"):
             pairs = [(i, u.plan.saves[u.plan.save_names[op_index]], mask)
@@ -323,25 +370,43 @@ class _DecodeLayout:
                                  np.concatenate(masks) if masks else np.zeros(0, dtype=bool),
                                  np.concatenate([[0], np.cumsum(mask_lengths)[:-1]]).astype(np.int64))
 
+    def positions(self, users: list[TapUser]) -> np.ndarray:
+        """The users' positions this step, without a per-user Python loop."""
+        steps = users[0].first_position - self.first_positions[0]
+        if users[-1].first_position - self.first_positions[-1] == steps:
+            return self.first_positions + steps
+        return np.fromiter((u.first_position for u in users), dtype=np.int64, count=len(users))
+
     def fill(self, tap: "TargetTap", runtime: TapRuntime, num_rows: int) -> None:
-        positions = np.fromiter((u.first_position for u in tap.users), dtype=np.int64, count=len(tap.users))
+        positions = self.positions(tap.users)
         stages = []
         for name in ("pre_saves", "post_saves"):
             pair_user, lists, mask_flat, mask_bases = self.stages[name]
             hit = np.flatnonzero(mask_flat[mask_bases + positions[pair_user]]) if pair_user.size else pair_user
             users = pair_user[hit]
-            stages.append(_DecodeStage(self.rows[users], [lists[j] for j in hit.tolist()],
-                                       positions[users].tolist(), runtime.device))
+            index = None
+            if hit.size:
+                rows = self.rows[users]
+                last = self.last_index.get(name)
+                if last is not None and np.array_equal(last[0], rows):
+                    index = last[1]        # the same rows as last step: the device index is still valid
+                else:
+                    index = runtime.index_to_device(tap.target, name, rows)
+                    self.last_index[name] = (rows, index)
+            hit_lists = lists if hit.size == len(lists) else [lists[j] for j in hit.tolist()]
+            stages.append(_DecodeStage(hit_lists, positions[users].tolist(), index))
         tap.pre, tap.post = stages
         if not tap.edits:
             return
-        host = runtime.host_buffers(tap.target)
+        host = tap.host
         index = self.bases + positions
         host.params_np[:num_rows] = (1.0, 1.0, 0.0)
         host.value_index_np[:num_rows] = 0
         host.params_np[self.rows] = self.params[index]
         host.value_index_np[self.rows] = self.value_local[index] + self.starts * self.has_value[index]
-        tap.table = tap._value_table(runtime, self.tables)
+        if self.table is None:
+            self.table = tap._value_table(runtime, self.tables)
+        tap.table = self.table
 
 
 class TargetTap:
@@ -359,6 +424,7 @@ class TargetTap:
         self.add: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self.num_rows = 0
+        self.host: _HostBuffers | None = None          # this step's staging (edits only)
         self._decode: _DecodeLayout | None = None     # built on the first all-decode step, kept while reused
 
     @property
@@ -369,7 +435,7 @@ class TargetTap:
     def prepare(self, runtime: TapRuntime, num_rows: int, static: _StaticBuffers | None) -> None:
         """Fill the host arrays from each user's program slices, copy once, build keep / scale / add."""
         self.num_rows = num_rows
-        device = runtime.device
+        self.host = runtime.host_buffers(self.target) if self.edits else None
         if all(u.num_rows == 1 for u in self.users):
             if self._decode is None:
                 self._decode = _DecodeLayout(self, runtime)
@@ -393,12 +459,11 @@ class TargetTap:
                     hit = np.flatnonzero(mask[p0:p0 + n])
                     if hit.size:
                         stage.add(u.plan, op_index, hit + r0, hit + p0)
-        self.pre.finish_host(device)
-        self.post.finish_host(device)
+        self.pre.finish_host(runtime, self.target, "pre_saves")
+        self.post.finish_host(runtime, self.target, "post_saves")
         if not self.edits:
             return
-        host = runtime.host_buffers(self.target)
-        params, value_index = host.params_np, host.value_index_np
+        params, value_index = self.host.params_np, self.host.value_index_np
         params[:num_rows] = (1.0, 1.0, 0.0)
         value_index[:num_rows] = 0
         tables: list[torch.Tensor] = []
@@ -422,8 +487,17 @@ class TargetTap:
 
     def _to_device(self, runtime: TapRuntime, num_rows: int, static: _StaticBuffers | None) -> None:
         device = runtime.device
-        host = runtime.host_buffers(self.target)
+        host = self.host
         table = self.table
+        params_np, index_np = host.params_np[:num_rows], host.value_index_np[:num_rows]
+        last = runtime.last_edit.get(self.target)
+        if (last is not None and last.table is table and last.static == (static is not None)
+                and (static is None or last.keep.data_ptr() == static.keep.data_ptr())
+                and np.array_equal(last.params, params_np) and np.array_equal(last.value_index, index_np)):
+            # The same edit as the last step at this target (e.g. one steering vector on every decode
+            # step): its device tensors (or the static buffers, which only this writes) still hold it.
+            self.keep, self.scale, self.add = last.keep, last.scale, last.add
+            return
         params_dev = _to_device(host.params[:num_rows], device)
         index_dev = _to_device(host.value_index[:num_rows], device)
         ones = (1,) * len(self.shape)
@@ -440,6 +514,8 @@ class TargetTap:
             self.scale.copy_(scale_src)
             torch.index_select(table, 0, index_dev, out=self.add)
         self.add.mul_(coef)
+        runtime.last_edit[self.target] = _EditState(params_np.copy(), index_np.copy(), table, static is not None,
+                                                    self.keep, self.scale, self.add)
 
     def _value_table(self, runtime: TapRuntime, tables: list[torch.Tensor]) -> torch.Tensor:
         """Zeros row + every distinct value of the step; reused while the same values stay in the batch."""
