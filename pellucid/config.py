@@ -59,9 +59,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # defaults to max(2048, max_model_len) capped at 8192
     enable_chunked_prefill: bool = True
     # Launch step N+1 before step N's outputs are processed (detokenization, stop strings, RequestOutputs),
-    # so that host work runs while the device computes. None = on where the device runs asynchronously
-    # (CUDA), off on CPU, where it would only add a wasted token after a stop string.
-    async_scheduling: bool | None = None
+    # so that host work runs while the device computes. Opt-in until it has been validated on a GPU; on
+    # the CPU it only adds a wasted token after a stop string.
+    async_scheduling: bool = False
 
 
 @dataclass

@@ -79,8 +79,7 @@ class EngineCore:
         self.scheduler = Scheduler(sc, config.cache, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending_outputs: set[str] = set()   # parents with news not yet reported (aborts, errors)
-        self.async_scheduling = sc.async_scheduling if sc.async_scheduling is not None \
-            else self.device.type == "cuda"
+        self.async_scheduling = sc.async_scheduling
         self._in_flight: _InFlight | None = None  # the step launched ahead (async scheduling)
         self._ended_in_flight: set[str] = set()  # requests ended while in the in-flight step: its token is dropped
         self._traced: list[Request] = []         # unfinished traced requests: their steps run one at a time

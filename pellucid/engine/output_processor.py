@@ -19,9 +19,9 @@ from pellucid.runner.output import ModelRunnerOutput
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import IncrementalDetokenizer
 
-# `status in _FINISHED` instead of `request.is_finished`: the enum property costs several times more, and
-# these checks run for every request of every step.
-_FINISHED = frozenset(s for s in RequestStatus if s.finished)
+# `status not in _UNFINISHED` instead of `request.is_finished`: the enum property (and an enum's Python-level
+# __hash__ in a set) costs several times more than identity tests, and this runs for every request every step.
+_UNFINISHED = tuple(s for s in RequestStatus if not s.finished)
 
 
 @dataclass
@@ -108,7 +108,7 @@ class OutputProcessor:
                 continue
             token = req.output_token_ids[-1]
             params = parent.params
-            finished = req.status in _FINISHED
+            finished = req.status not in _UNFINISHED
             if finished and req.stop_reason == token and not params.include_stop_str_in_output:
                 continue   # a stop token id ends the text without showing
             if params.stop_strings and not finished:
@@ -160,8 +160,8 @@ class OutputProcessor:
             if parent is None:
                 continue
             seqs = parent.seqs
-            finished = seqs[0].request.status in _FINISHED if len(seqs) == 1 \
-                else all(s.request.status in _FINISHED for s in seqs)
+            finished = seqs[0].request.status not in _UNFINISHED if len(seqs) == 1 \
+                else all(s.request.status not in _UNFINISHED for s in seqs)
             if not (finished or parent.stream):
                 continue
             outputs.append(self._output(parent, finished))
@@ -209,7 +209,7 @@ class OutputProcessor:
     def _completion(self, parent: ParentState, seq: SequenceState, all_finished: bool) -> CompletionOutput:
         req = seq.request
         params = parent.params
-        finished = all_finished or req.status in _FINISHED
+        finished = all_finished or req.status not in _UNFINISHED
         if not params.detokenize:
             text = ""
         elif seq.stop_string is not None:

@@ -20,7 +20,8 @@ from pellucid.runner.buffers import StepBuffers
 from pellucid.runner.cuda_graphs import DecodeCudaGraphs, default_graph_sizes, graphs_unavailable_reason
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.runner.sampler import Sampler, gather_logprobs, host_to_device
-from pellucid.runner.sampling_metadata import LogprobsTensors
+from pellucid.runner.sampling_metadata import LogprobsTensors, SamplingMetadata
+from pellucid.sampling_params import SamplingParams
 from pellucid.runner.sampling_metadata_builder import build_sampling_metadata
 from pellucid.runner.state_pool import RecurrentStatePool
 from pellucid.tracing.hooks import StepTrace
@@ -32,6 +33,7 @@ TRACE_EXTRAS_KEYS = frozenset({TRACE_KEY})
 logger = get_logger(__name__)
 
 _request_id = operator.attrgetter("request_id")
+_sampling_params = operator.attrgetter("sampling_params")
 
 
 # ---- launch / collect (begin) -----------------------------------------------------------------------
@@ -113,6 +115,7 @@ class ModelRunner:
         self.tap_runtime = TapRuntime(max_num_batched_tokens, device)   # tracing taps' persistent buffers
         # False while no request the engine holds is traced: launch() then skips the per-request trace scan.
         self.trace_possible = True
+        self._sampling_cache: tuple[list[SamplingParams], SamplingMetadata] | None = None
 
     @property
     def supports_prefix_caching(self) -> bool:
@@ -280,6 +283,20 @@ class ModelRunner:
         with forward_context(ctx):
             return self.model(batch.input_ids)
 
+    def _sampling_metadata(self, requests: list[Any]) -> SamplingMetadata:
+        """This step's SamplingMetadata; the previous step's when its rows carry the same SamplingParams
+        objects in the same order and nothing in it depends on a request's progress (penalty histories,
+        min_tokens bans, seeded generators), as in a steady decode batch."""
+        params = list(map(_sampling_params, requests))
+        cached = self._sampling_cache
+        if cached is not None and len(cached[0]) == len(params) and all(map(operator.is_, cached[0], params)):
+            return cached[1]
+        sampling = build_sampling_metadata(requests, self.device)
+        static = all(p.min_tokens == 0 and not p.needs_penalties and (p.greedy or p.seed is None)
+                     for p in {id(p): p for p in params}.values())
+        self._sampling_cache = (params, sampling) if static else None
+        return sampling
+
     def _launch_sampling(self, batch: StepBatch, hidden: torch.Tensor, trace: StepTrace | None) -> LaunchedStep:
         """Queue LM head + sampler (and prompt logprobs) and the copies of their results to the host."""
         requests = batch.sample_requests
@@ -287,7 +304,7 @@ class ModelRunner:
         if trace is not None:
             trace.apply_logits_ops(self.head, hidden)   # `logits` site: exact logits, edits reach the sampler
         if requests:
-            sampling = build_sampling_metadata(requests, self.device)
+            sampling = self._sampling_metadata(requests)
             sample_hidden = hidden.index_select(0, batch.sample_rows)   # index_select: no bounds sync
             if trace is None:
                 result = self.head.sample(sample_hidden, sampling, self.sampler)

@@ -168,6 +168,27 @@ def test_abort_while_step_in_flight(model_dir, seed):
     assert _snapshot(keep_reports[-1]) == _snapshot(serial_final)
 
 
-def test_async_scheduling_defaults_to_the_device(model_dir):
+def test_async_scheduling_is_opt_in(model_dir):
     config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", max_model_len=128)
-    assert EngineCore(config).async_scheduling is False   # CPU: nothing runs asynchronously to overlap
+    assert EngineCore(config).async_scheduling is False
+
+
+def test_sampling_metadata_reused_only_for_the_same_static_params(model_dir):
+    from pellucid.engine.request import Request
+    from pellucid.runner.sampling_metadata_builder import build_sampling_metadata
+
+    runner = _engine(model_dir, async_scheduling=False).runner
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=5)
+    seeded = SamplingParams(temperature=0.8, seed=3)
+    reqs = [Request(f"q{i}", [1, 2, 3], p) for i, p in enumerate([greedy, hot, greedy])]
+    first = runner._sampling_metadata(reqs)
+    assert runner._sampling_metadata(list(reqs)) is first                     # steady batch: reused
+    swapped = runner._sampling_metadata([reqs[1], reqs[0], reqs[2]])          # same objects, other rows
+    assert swapped is not first
+    fresh = build_sampling_metadata([reqs[1], reqs[0], reqs[2]], "cpu")
+    for name in ("temperature", "top_k", "top_p"):
+        assert torch.equal(getattr(swapped, name), getattr(fresh, name))
+    assert runner._sampling_metadata(reqs[:2]) is not swapped                 # a row left
+    with_seed = [Request("s", [1, 2], seeded)] + reqs
+    a = runner._sampling_metadata(with_seed)
+    assert runner._sampling_metadata(with_seed) is not a                      # per-step generators: rebuilt
