@@ -17,6 +17,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-cache", default=os.path.join(tempfile.gettempdir(), "pellucid-bench-models"),
                         help="where named shapes are written (reused across runs)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch the next step before processing this one's outputs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -29,7 +31,7 @@ def make_engine(args: argparse.Namespace, max_model_len: int, max_num_seqs: int,
     model_dir = resolve_model(args.model, args.model_cache)
     config = EngineConfig.from_kwargs(model_dir, dtype="bfloat16", max_model_len=max_model_len,
                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enforce_eager=args.enforce_eager,
+                                      enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                                       gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, **extra)
     return EngineCore(config), model_dir
 
