@@ -48,6 +48,9 @@ for s in $sections; do
           run lat_${m}_unmerged $limit python3 -m pellucid.bench latency --model $m --batch-sizes 1 --output-len 64
         run lat_${m}_merged $limit python3 -m pellucid.bench latency --model $m --batch-sizes 1 --output-len 64
       done ;;
+    async)
+      run lat_qwen_async 70 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,64,256 --output-len 64 --async-scheduling
+      run throughput_qwen_async 150 python3 -m pellucid.bench throughput --model Qwen3-0.6B --async-scheduling ;;
     step) run step_overhead 40 python3 benchmarks/step_overhead.py --batch 256 --steps 200 ;;
   esac
 done
