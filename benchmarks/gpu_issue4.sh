@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 4's runner path in one device call: GPU tests, then benchmarks.
-# Usage (device tool): bash benchmarks/gpu_issue4.sh [SECTION ...]   sections: tests qwen merged big throughput fused step
+# Usage (device tool): bash benchmarks/gpu_issue4.sh [SECTION ...]   sections: tests qwen merged big throughput fused async step
 # $OUT/summary.md gets every table as it is made; $OUT/all.log every command's full output. The whole
 # script stops starting sections after TOTAL_S seconds (default 560) so one device call holds it.
 set -u
