@@ -17,6 +17,7 @@ consumer of the original tensor sees them; saves are copies, never views.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -47,6 +48,7 @@ class _Traced:
     first_position: int
     sample_index: int | None        # its row among the step's sampling rows, if it samples
     batch_index: int = 0
+    steps_seen: int = 0             # the trace's step count first_position was last brought up to
 
     def selection(self, op_index: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions, ranks) of this step's rows that the op selects; ranks index the op's selection."""
@@ -76,6 +78,17 @@ class StepTrace:
         self.taps: dict[Target, TargetTap] = {}
         self.per_request: dict[Target, list[_Traced]] = {}
         self._graph = False
+        # Decode steps reuse this trace (see for_step): each step's per-request work touches only the
+        # requests it concerns, never a Python loop over the whole batch.
+        self._steps = 0                         # decode steps this trace has advanced by
+        self._batch_index = np.array([t.batch_index for t in traced], dtype=np.int64)
+        self._first_positions = np.array([t.first_position for t in traced], dtype=np.int64)
+        self._logits_users = [t for t in traced if t.plan.has_logits_ops]
+        self._logit_editors = [t for t in traced if t.plan.edits_logits]
+        self._token_users = [t for t in traced if t.sample_index is not None and t.plan.has_tokens_ops]
+        # Plans fail only through _fail while this trace runs; finish_step reports exactly these.
+        self._newly_failed: list[_Traced] = []
+        self._any_failed = False
         self._split_targets()
         self._graph_key = None if self.per_request else tuple(sorted((t, tap.flags) for t, tap in self.taps.items()))
         self.requests: list[Any] = []           # the batch's requests, to recognise the next decode step
@@ -120,24 +133,39 @@ class StepTrace:
         requests = so.requests
         if not self.requests or len(requests) != len(self.requests) or so.total_num_scheduled_tokens != len(requests):
             return False
-        if any(a is not b for a, b in zip(requests, self.requests)) or not all(so.samples):
+        if self._any_failed or not all(map(operator.is_, requests, self.requests)) or not all(so.samples):
             return False
-        computed = so.num_computed_tokens
-        return all(not t.plan.failed and computed[t.batch_index] == t.first_position + 1 for t in self.traced)
+        computed = np.asarray(so.num_computed_tokens, dtype=np.int64)[self._batch_index]
+        return bool(np.array_equal(computed, self._first_positions + (self._steps + 1)))
 
     def _advance(self) -> None:
-        """Move every traced request one position on; forget the last step's per-step state."""
-        for t in self.traced:
-            t.first_position += 1
+        """Move every traced request one position on; forget the last step's per-step state.
+        A _Traced's first_position is brought up to date only when it is read (_up_to_date); the taps'
+        users are moved here, since every tap reads them each step."""
+        self._steps += 1
         for tap in self.taps.values():
             for u in tap.users:
                 u.first_position += 1
         self.sampling_logits = None
 
+    def _up_to_date(self, users: list[_Traced]) -> list[_Traced]:
+        """`users`, with first_position moved on by the decode steps since it was last read."""
+        steps = self._steps
+        for t in users:
+            if t.steps_seen != steps:
+                t.first_position += steps - t.steps_seen
+                t.steps_seen = steps
+        return users
+
+    def _fail(self, t: _Traced, op_index: int, exc: BaseException) -> None:
+        t.plan.fail(op_index, exc)
+        self._newly_failed.append(t)
+        self._any_failed = True
+
     def _split_targets(self) -> None:
         """Per addressed module target: the requests that run as a tap, and those that run per request."""
         users: dict[Target, list[TapUser]] = {}
-        for t in self.traced:
+        for t in self.traced:     # runs before any step: first_position is current
             plan = t.plan
             for target in plan.module_target_list:
                 if plan.failed:
@@ -146,7 +174,7 @@ class StepTrace:
                     try:
                         plan.tap_programs[target] = build_program(plan, target, plan.limit)
                     except ValueError as exc:     # a value that does not fit the site: this request fails
-                        plan.fail(getattr(exc, "op_index", plan.ops_at(*target)[0]), exc)
+                        self._fail(t, getattr(exc, "op_index", plan.ops_at(*target)[0]), exc)
                         break
                 program = plan.tap_programs[target]
                 if program is None:
@@ -215,7 +243,7 @@ class StepTrace:
         when nothing was edited. `index_of_row` maps batch rows to rows of x when x holds only some rows."""
         result = x
         edited = False
-        for t in users:
+        for t in self._up_to_date(users):
             plan = t.plan
             if plan.failed:
                 continue
@@ -239,18 +267,18 @@ class StepTrace:
                     else:
                         plan.record_save(op_index, positions, _copy_rows(result, index))
             except Exception as exc:  # one request's failing op must not affect the others
-                plan.fail(op_index, exc)
+                self._fail(t, op_index, exc)
         return result if edited and copy_on_edit else None
 
     # ---- logits and tokens ------------------------------------------------------------------------
     @property
     def has_logit_edits(self) -> bool:
-        return any(t.plan.edits_logits and not t.plan.failed for t in self.traced)
+        return any(not t.plan.failed for t in self._logit_editors)
 
     def apply_logits_ops(self, head: Any, hidden: torch.Tensor) -> None:
         """Exact logits for the rows that logits ops select (plus every sampling row when an op edits
         logits, so the edit reaches the sampler), then the ops on them."""
-        users = [t for t in self.traced if t.plan.has_logits_ops and not t.plan.failed]
+        users = self._up_to_date([t for t in self._logits_users if not t.plan.failed])
         if not users:
             return
         edits = self.has_logit_edits
@@ -281,8 +309,8 @@ class StepTrace:
 
     def record_tokens(self, sampled_token_ids: torch.Tensor) -> None:
         """`tokens` saves: the id sampled at the request's last row this step, stored at that row's position."""
-        for t in self.traced:
-            if t.sample_index is None or not t.plan.has_tokens_ops or t.plan.failed:
+        for t in self._up_to_date(self._token_users):
+            if t.plan.failed:
                 continue
             position = t.first_position + t.num_rows - 1
             for op_index in t.plan.ops_at(TOKENS):
@@ -294,7 +322,8 @@ class StepTrace:
 
     def finish_step(self, out: Any) -> None:
         """Report requests whose trace failed in this step; the scheduler ends them with an error."""
-        for t in self.traced:
+        newly_failed, self._newly_failed = self._newly_failed, []
+        for t in newly_failed:
             if t.plan.newly_failed:
                 t.plan.newly_failed = False
                 rid = t.plan.request_id
