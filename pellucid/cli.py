@@ -22,7 +22,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None, help="top alternatives to print per generated token")
+    g.add_argument("--logprobs", type=int, default=None, help="print each generated token's logprob and this many top alternatives")
 
 
 def sampling_params_from_args(args: argparse.Namespace):
@@ -53,9 +53,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
             tag = f" [{comp.index}]" if len(out.outputs) > 1 else ""
             print(f"--- prompt: {prompt!r}{tag} ({len(comp.token_ids)} tokens, finish: {comp.finish_reason})")
             print(comp.text)
+            if comp.logprobs is not None:
+                print_logprobs(comp.token_ids, comp.logprobs)
         if out.error:
             print(f"error: {out.error}", file=sys.stderr)
     return 1 if any(o.error for o in outputs) else 0
+
+
+def print_logprobs(token_ids: list[int], logprobs: list) -> None:
+    """One line per generated token: its text, logprob and rank, then the top alternatives."""
+    for token_id, position in zip(token_ids, logprobs):
+        chosen = position[token_id]
+        others = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}"
+                           for tid, lp in sorted(position.items(), key=lambda kv: kv[1].rank) if tid != token_id)
+        print(f"  {chosen.decoded_token!r:>16} logprob {chosen.logprob:8.3f} rank {chosen.rank:>5}   top: {others}")
 
 
 def build_parser() -> argparse.ArgumentParser:

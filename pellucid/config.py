@@ -67,7 +67,7 @@ class SchedulerConfig:
 @dataclass
 class RunnerConfig:
     device: str = "auto"
-    attention_backend: str = "auto"     # "torch" | "triton" | "flashinfer" | "auto"
+    attention_backend: str = "auto"     # "torch" | "triton" | "auto" (triton on CUDA when importable)
     enforce_eager: bool = False         # disables CUDA graphs
     cuda_graph_sizes: list[int] | None = None
 

@@ -24,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="launch the next step before processing this one's outputs (opt-in: not yet "
                         "validated on a GPU)")
-    g.add_argument("--attention-backend", default="auto", help="auto, torch, triton, flashinfer")
+    g.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
     g.add_argument("--head", default="dense", help="LM head: dense, flashhead, or a plugin name")
     g.add_argument("--head-options", type=json.loads, default=None,

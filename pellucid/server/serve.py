@@ -23,7 +23,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and "
+                                                       "/detokenize")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the MODEL argument)")
     g.add_argument("--log-stats-interval", type=float, default=10.0,

@@ -208,3 +208,12 @@ def test_cli_generate_with_default_model(tmp_path, monkeypatch, capsys):
     assert "RANDOM WEIGHTS" in captured.err
     assert "--- prompt: 'Hello, my name is'" in captured.out
     assert os.path.exists(tmp_path / "pellucid-default-qwen3-random-v1" / "config.json")
+
+
+def test_cli_generate_prints_logprobs(tiny_model_factory, capsys):
+    from pellucid.cli import main
+    assert main(["generate", "Hello there", "--model", tiny_model_factory("qwen3"), "--max-tokens", "4",
+                 "--ignore-eos", "--logprobs", "3", "--device", "cpu"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " logprob " in line]
+    assert len(lines) == 4                          # one line per generated token
+    assert all("rank" in line and "top:" in line for line in lines)
