@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 4's runner path in one device call: GPU tests, then benchmarks.
-# Usage (device tool): bash benchmarks/gpu_issue4.sh [SECTION ...]   sections: tests qwen merged big throughput fused async step
+# Usage (device tool): bash benchmarks/gpu_issue4.sh [SECTION ...]
+#   sections: tests alltests profile qwen merged big throughput fused async step tracing extraction flashhead serve
 # $OUT/summary.md gets every table as it is made; $OUT/all.log every command's full output. The whole
 # script stops starting sections after TOTAL_S seconds (default 560) so one device call holds it.
 set -u
@@ -31,6 +32,13 @@ run() {  # run NAME TIMEOUT CMD...: full output to all.log, tables and verdicts 
 for s in $sections; do
   case $s in
     tests) run gpu_tests 200 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu ;;
+    alltests)   # every test file with CUDA-only cases
+      run gpu_tests_all 300 python3 -m pytest -q -p no:cacheprovider -x tests/gpu tests/attention/test_triton_backend.py \
+        tests/heads/test_flashhead_kernels.py tests/tracing/test_taps.py tests/runner/test_sampler.py \
+        tests/attention/test_torch_ref.py tests/models/test_models_vs_hf.py ;;
+    profile)
+      run profile_qwen_b1 60 python3 benchmarks/decode_profile.py --model Qwen3-0.6B --batch 1
+      run profile_qwen_b256 60 python3 benchmarks/decode_profile.py --model Qwen3-0.6B --batch 256 --top 12 ;;
     qwen) run lat_qwen_graphs 70 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,8,64,256 --output-len 64 ;;
     big) run lat_llama8b 200 python3 -m pellucid.bench latency --model Llama-3.1-8B --batch-sizes 1,16 --output-len 64 --prefill-len 8192 ;;
     throughput) run throughput_qwen 150 python3 -m pellucid.bench throughput --model Qwen3-0.6B ;;
@@ -52,6 +60,15 @@ for s in $sections; do
       run lat_qwen_async 70 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,64,256 --output-len 64 --async-scheduling
       run throughput_qwen_async 150 python3 -m pellucid.bench throughput --model Qwen3-0.6B --async-scheduling ;;
     step) run step_overhead 40 python3 benchmarks/step_overhead.py --batch 256 --steps 200 ;;
+    tracing)
+      python3 -c "from pellucid.tiny_models import build_tiny_model as b; b('llama', '/tmp/m', hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=2048)" >/dev/null 2>&1
+      run tracing_graphs 150 python3 benchmarks/tracing_bench.py --model /tmp/m --dtype bfloat16 --num-prompts 64 --output-len 64 --repeats 3 ;;
+    extraction) run extraction_8b 240 python3 benchmarks/extraction_bench.py --model Llama-3.1-8B --min-len 1024 --max-len 2048 \
+      --num-prompts 48 --max-num-batched-tokens 8192 --repeats 3 --out-root /tmp,/dev/shm ;;
+    flashhead)
+      run flashhead_head 120 python3 benchmarks/flashhead_bench.py --no-sweep
+      run flashhead_e2e 120 python3 benchmarks/flashhead_bench.py --e2e --output-len 128 ;;
+    serve) run serve_qwen 150 python3 -m pellucid.bench serve --model Qwen3-0.6B ;;
   esac
 done
 echo "== summary"; cat "$OUT/summary.md"

@@ -1,8 +1,9 @@
 """CPU time per engine step at a large decode batch, with the model forward stubbed out.
 
 Measures what the engine spends on the host each step (schedule, batch build, sampling metadata,
-LM head + sampler call overhead on a tiny vocabulary, output processing and detokenization) so it
-can be compared with the GPU time of a step. Runs on the CPU; no GPU needed.
+sampler call overhead, output processing and detokenization) so it can be compared with the GPU time
+of a step. The model forward and the LM head matmul (device work on a GPU) are stubbed: they return
+fixed rows. Runs on the CPU; no GPU needed.
 
     python benchmarks/step_overhead.py --batch 256 --steps 200
 
@@ -60,6 +61,9 @@ def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, dev
     core = EngineCore(config)
     stub = StubModel(core.runner.model, config.scheduler.max_num_batched_tokens, device_ms)
     core.runner.model = stub
+    # The LM head matmul is device work on a GPU too: fixed logits rows; the sampler still runs.
+    logits = torch.randn(max(batch, 1), core.runner.head.vocab_size)
+    core.runner.head.compute_logits = lambda hidden: logits[: hidden.shape[0]]
     if device_ms > 0:
         inner_readback = core.runner._device_readback
 
@@ -112,7 +116,7 @@ def measure(args: argparse.Namespace, stream: bool) -> tuple[dict[str, float], l
     phases.wrap(core.scheduler, "schedule", "schedule")
     phases.wrap(core.runner, "launch", "runner.launch (batch build, metadata, forward, head, sampler)")
     phases.wrap(core.runner, "collect", "runner.collect (readback wait, token dicts)")
-    phases.wrap(core.runner.head, "sample", "  of which head.sample (LM head matmul + argmax: device work on a GPU)")
+    phases.wrap(core.runner.head, "sample", "  of which head.sample (logits stubbed; sampler launch)")
     phases.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
     phases.wrap(core.outputs, "process_tokens", "outputs.process_tokens (detokenize, stops)")
     phases.wrap(core.outputs, "make_outputs", "outputs.make_outputs")

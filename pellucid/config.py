@@ -58,10 +58,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # defaults to max(2048, max_model_len) capped at 8192
     enable_chunked_prefill: bool = True
-    # Launch step N+1 before step N's outputs are processed (detokenization, stop strings, RequestOutputs),
-    # so that host work runs while the device computes. Opt-in until it has been validated on a GPU; on
-    # the CPU it only adds a wasted token after a stop string.
-    async_scheduling: bool = False
+    # Schedule and launch step N+1 before step N is read back, so the host work of a step (scheduling,
+    # batch building, output processing) runs while the device computes (see engine/scheduler.py).
+    # None = on for CUDA devices (H100, Qwen3-0.6B shape: batch-1 decode 1.91 -> 1.39 ms/step, batch 256
+    # 5.27 -> 3.50 ms), off on the CPU, where a launch is the computation itself and nothing overlaps.
+    async_scheduling: bool | None = None
 
 
 @dataclass

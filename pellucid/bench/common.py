@@ -17,8 +17,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-cache", default=os.path.join(tempfile.gettempdir(), "pellucid-bench-models"),
                         help="where named shapes are written (reused across runs)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="launch the next step before processing this one's outputs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch the next step before this one is read back (default: on for CUDA)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
 

@@ -21,9 +21,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split long prompts across steps, mixed with decodes")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory for weights + KV cache")
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="launch the next step before processing this one's outputs (opt-in: not yet "
-                        "validated on a GPU)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next step before this one is read back, so host work overlaps "
+                        "device work (default: on for CUDA, off on the CPU)")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
     g.add_argument("--head", default="dense", help="LM head: dense, flashhead, or a plugin name")

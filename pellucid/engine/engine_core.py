@@ -80,14 +80,16 @@ class EngineCore:
         self.scheduler = Scheduler(sc, config.cache, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending_outputs: set[str] = set()   # parents with news not yet reported (aborts, errors)
+        if sc.async_scheduling is None:
+            sc.async_scheduling = self.device.type == "cuda"
         self.async_scheduling = sc.async_scheduling
         self._in_flight: _InFlight | None = None  # the step launched ahead (async scheduling)
-        self._ended_in_flight: set[str] = set()  # requests ended while in the in-flight step: its token is dropped
         self._traced: list[Request] = []         # unfinished traced requests: their steps run one at a time
+        self._serial_only: list[Request] = []    # unfinished requests that cannot step ahead (can_step_ahead)
         self.runner.trace_possible = False
-        self.num_discarded_tokens = 0            # tokens of in-flight steps dropped after a stop string or abort
+        self.num_discarded_tokens = 0            # in-flight tokens of requests that ended before them
+        self.num_steps_ahead = 0                 # steps launched before the previous one was read back
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self.num_steps = 0
         logger.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d KV cache: %d blocks x %d tokens "
                     "= %d tokens; prefix caching %s, chunked prefill %s (budget %d tokens/step)",
@@ -186,6 +188,8 @@ class EngineCore:
             if req.extras.get(TRACE_KEY) is not None:
                 self._traced.append(req)
                 self.runner.trace_possible = True
+            if not req.can_step_ahead:
+                self._serial_only.append(req)
 
     def abort_request(self, request_id: str) -> None:
         children = self.outputs.children_of(request_id)
@@ -195,40 +199,42 @@ class EngineCore:
         self._pending_outputs.add(request_id)
 
     def _end_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Finish requests (their blocks are freed now). One that is in the in-flight step gets a token
-        from it that update_from_output drops, since the request no longer runs; counted here."""
+        """Finish requests now (their blocks are freed). One that is in the in-flight step gets a token
+        from it that update_from_output drops, since the request no longer runs."""
         self.scheduler.finish_requests(request_ids, status)
-        if self._in_flight is not None:
-            self._ended_in_flight.update(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or self._in_flight is not None
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Collect one step's tokens and report them; with async scheduling, launch the next step first.
+        """Run one step's tokens through to outputs; with async scheduling, launch the next step first.
 
         Serial: schedule N -> launch N -> collect N -> update -> outputs of N.
-        Async:  collect N (launched by the previous call) -> update -> schedule + launch N+1 ->
-                outputs of N (detokenization, stop strings, RequestOutputs) while the device runs N+1.
-        Every call returns the outputs of the tokens it collected. Only a stop string found in N's text
-        comes late for N+1, which already holds the request: its blocks are freed at once and its N+1
-        token is dropped by update_from_output, so nothing past the stop string is ever reported.
+        Async:  schedule N+1 ahead and launch it (N's sampled ids feed it on the device) -> collect N
+                (launched by the previous call) -> update -> outputs of N (detokenization, stop strings)
+                while the device runs N+1. The host work of a step hides behind the device work of the next.
+        Every call returns the outputs of the tokens it collected. A request that ends with N's token
+        (EOS, a stop string, an abort) already has an N+1 token in flight: update_from_output drops it,
+        so nothing past the end is ever reported; its blocks are freed at once.
         """
         touched: set[str] = set(self._pending_outputs)
         self._pending_outputs.clear()
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            so, ro = in_flight.so, self._collect(in_flight)
-        else:
+        current, self._in_flight = self._in_flight, None
+        if current is None:
             so = self._schedule()
-            ro = self._execute(so) if so is not None else None
-        if so is not None:
+            current = self._launch(so) if so is not None else None
+        if current is not None and self._can_schedule_ahead(current):
+            next_so = self._schedule(ahead=True)
+            if next_so is not None:
+                self._in_flight = self._launch(next_so)
+                self.num_steps_ahead += 1
+        if current is not None:
+            so, ro = current.so, self._collect(current)
+            generated_before = self.scheduler.total_generated_tokens
             changed = self.scheduler.update_from_output(so, ro, now=time.monotonic())
-            if self.async_scheduling and not self._traced:   # traced steps run one at a time
-                next_so = self._schedule()
-                if next_so is not None:
-                    self._in_flight = self._launch(next_so)
+            self.num_discarded_tokens += len(ro.sampled_token_ids) - (
+                self.scheduler.total_generated_tokens - generated_before)
             stopped = self.outputs.process_tokens(changed, ro)
             if stopped:
                 self._end_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -244,9 +250,19 @@ class EngineCore:
         touched |= self.outputs.parents_of(self.scheduler.drain_finished_unreported())
         return self.outputs.make_outputs(touched)
 
-    def _schedule(self) -> SchedulerOutput | None:
-        """The next batch, or None when nothing runs."""
-        so = self.scheduler.schedule()
+    def _can_schedule_ahead(self, current: _InFlight) -> bool:
+        """Whether the next step may be launched before `current` is read back (async scheduling)."""
+        if not self.async_scheduling or self._traced or current.failed is not None or self.scheduler.ahead_blocked:
+            return False
+        if self._serial_only:   # requests that need their tokens on the host first (Request.can_step_ahead)
+            if not _all_unfinished(self._serial_only, self.scheduler.requests):
+                self._serial_only = [r for r in self._serial_only if not r.is_finished]
+            return not self._serial_only
+        return True
+
+    def _schedule(self, ahead: bool = False) -> SchedulerOutput | None:
+        """The next batch, or None when nothing runs. ahead=True: a step is still in flight."""
+        so = self.scheduler.schedule(ahead)
         if so.is_empty:
             if so.finished_request_ids or so.preempted_request_ids:
                 # No batch carries the news to the runner this step; free per-request state (hybrid models) now.
@@ -255,36 +271,19 @@ class EngineCore:
         self.num_steps += 1
         return so
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run a step start to finish (serial mode)."""
-        try:
-            ro = self.runner.execute(so)
-        except Exception as exc:  # one bad batch must not take the engine down
-            ro = self._failed_step(so, exc)
-        self.generation_tokens_total += len(ro.sampled_token_ids)
-        return ro
-
     def _launch(self, so: SchedulerOutput) -> _InFlight:
         try:
             return _InFlight(so, self.runner.launch(so))
-        except Exception as exc:
+        except Exception as exc:  # one bad batch must not take the engine down
             return _InFlight(so, None, self._failed_step(so, exc))
 
     def _collect(self, in_flight: _InFlight) -> ModelRunnerOutput:
-        ro = in_flight.failed
-        if ro is None:
-            try:
-                ro = self.runner.collect(in_flight.launched)
-            except Exception as exc:
-                ro = self._failed_step(in_flight.so, exc)
-        num_tokens = len(ro.sampled_token_ids)
-        if self._ended_in_flight:
-            dropped = sum(rid in ro.sampled_token_ids for rid in self._ended_in_flight)
-            self._ended_in_flight.clear()
-            self.num_discarded_tokens += dropped
-            num_tokens -= dropped
-        self.generation_tokens_total += num_tokens
-        return ro
+        if in_flight.failed is not None:
+            return in_flight.failed
+        try:
+            return self.runner.collect(in_flight.launched)
+        except Exception as exc:
+            return self._failed_step(in_flight.so, exc)
 
     @staticmethod
     def _failed_step(so: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
@@ -297,7 +296,7 @@ class EngineCore:
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_used_blocks=self.block_pool.num_used_blocks, num_total_blocks=self.num_blocks,
             kv_cache_usage=self.block_pool.usage,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.scheduler.total_generated_tokens,
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,

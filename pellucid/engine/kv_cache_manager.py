@@ -15,10 +15,7 @@ from array import array
 from typing import Any, Sequence
 
 from pellucid.engine.block_pool import BlockHash, BlockPool, KVBlock
-from pellucid.engine.request import Request
-# request.extras key whose value partitions the prefix cache (vLLM's `cache_salt`): requests with
-# different salts never share blocks, e.g. to keep tenants' prompts from probing each other's cache.
-CACHE_SALT_KEY = "cache_salt"
+from pellucid.engine.request import CACHE_SALT_KEY, Request
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
@@ -108,7 +105,10 @@ class KVCacheManager:
             # Fast path, taken by nearly every decode: the held blocks already have room.
             total_tokens = request.num_computed_tokens + num_new_tokens
             if total_tokens <= len(blocks) * self.block_size:
-                self._publish_full_blocks(request, blocks, total_tokens)
+                # Most decodes fill no block: skip the publishing call unless one may have filled.
+                if self.enable_prefix_caching and \
+                        total_tokens >= (self._num_published.get(rid, 0) + 1) * self.block_size:
+                    self._publish_full_blocks(request, blocks, total_tokens)
                 return True
         elif blocks is None:
             blocks = self._req_blocks[rid] = []

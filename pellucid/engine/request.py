@@ -9,6 +9,10 @@ import torch
 
 from pellucid.sampling_params import SamplingParams
 
+# request.extras key whose value partitions the prefix cache (vLLM's `cache_salt`): requests with
+# different salts never share blocks, e.g. to keep tenants' prompts from probing each other's cache.
+CACHE_SALT_KEY = "cache_salt"
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -43,6 +47,10 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens sampled by a launched step and not read back yet (0 or 1). The scheduler counts them as
+        # part of the sequence, so with async scheduling the next step can be launched ahead of the
+        # readback: the runner takes such a token's id from the device (see ModelRunner.launch).
+        self.num_pending_tokens = 0
         self.num_cached_tokens = -1          # prefix-cache hits at first scheduling; -1 until then
         self.block_ids: list[int] = []
         self.block_hashes: list[Any] = []    # filled and owned by the KV cache manager
@@ -85,6 +93,18 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+    @property
+    def can_step_ahead(self) -> bool:
+        """Whether a step may be launched for this request before its previous token is read back.
+
+        Penalties and min_tokens bans are built on the host from the tokens generated so far, and
+        features in `extras` (tracing, extraction) read each step's tokens on the host, so those
+        requests need their last token first. A cache salt only keys the prefix cache.
+        """
+        params = self.sampling_params
+        return (not params.needs_penalties and params.min_tokens == 0
+                and all(key == CACHE_SALT_KEY for key in self.extras))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

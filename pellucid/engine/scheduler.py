@@ -12,7 +12,16 @@ Policy (FCFS):
 - A request that cannot fit in the pool even alone ends with an error instead of waiting forever.
 
 The scheduler advances request.num_computed_tokens when it schedules a chunk; the runner reads the
-snapshot in SchedulerOutput.num_computed_tokens.
+snapshot in SchedulerOutput.num_computed_tokens. A step that samples for a request also counts one
+pending token for it (request.num_pending_tokens) until update_from_output appends the token.
+
+Scheduling ahead (async scheduling, `schedule(ahead=True)`): the next step is scheduled while the
+previous one still runs, so its sampled tokens are pending. A request with a pending token is decoded
+again at once (the runner reads that token's id on the device), unless the pending token is its last
+one (max_tokens / max_model_len). The engine schedules ahead only while every request can step ahead
+(`Request.can_step_ahead`: no host-side token history needed). A step scheduled ahead never preempts,
+since a victim's tokens and KV are still being computed: when the pool runs dry it schedules what fit
+and sets `ahead_blocked`, and the engine runs the next step serially.
 """
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._finished_ids: set[str] = set()        # freed since the last schedule(), for the runner
         self._finished_unreported: list[str] = []   # ended by the scheduler itself, for the engine
+        self.ahead_blocked = False    # the last step scheduled ahead ran out of KV blocks (see module doc)
 
         # Counters for tests and metrics.
         self.num_steps = 0
@@ -65,6 +75,7 @@ class Scheduler:
         self.total_prompt_tokens = 0     # scheduled tokens of chunks that start inside the prompt
         self.prefix_cache_hit_tokens = 0
         self.num_preemptions = 0
+        self.total_generated_tokens = 0   # tokens appended to requests (a dropped in-flight token is not)
 
     # ---- queues ---------------------------------------------------------------------------------
     @property
@@ -103,8 +114,10 @@ class Scheduler:
         self.waiting.append(request)
 
     # ---- scheduling -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: bool = False) -> SchedulerOutput:
+        """The next step. With ahead=True a step is still in flight (see the module doc)."""
         out = SchedulerOutput()
+        self.ahead_blocked = False
         budget = self.max_num_batched_tokens
         # Bound methods as locals: this runs once per request per step, for hundreds of requests.
         append_request = out.requests.append
@@ -118,7 +131,10 @@ class Scheduler:
             append_request(request)
             append_scheduled(num_tokens)
             append_computed(num_computed)
-            append_samples(num_computed + num_tokens == len(request.all_token_ids))
+            samples = num_computed + num_tokens == len(request.all_token_ids) + request.num_pending_tokens
+            append_samples(samples)
+            if samples:
+                request.num_pending_tokens += 1
             if num_computed < len(request.prompt_token_ids):
                 prompt_tokens += num_tokens
             request.num_computed_tokens = num_computed + num_tokens
@@ -132,7 +148,13 @@ class Scheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - num_computed
+            pending = request.num_pending_tokens
+            # Pending tokens exist only while a step is in flight, i.e. when scheduling ahead, and the engine
+            # schedules ahead only when every request can_step_ahead.
+            if pending and len(request.all_token_ids) + pending >= request.max_total_tokens:
+                index += 1      # its pending token is its last
+                continue
+            num_new = len(request.all_token_ids) + pending - num_computed
             if num_new > budget or num_new == 0:
                 num_new = self._num_tokens_to_schedule(request, num_computed, budget)
                 if num_new == 0:
@@ -146,6 +168,9 @@ class Scheduler:
             if not kv.can_ever_fit(num_computed + num_new):
                 self._finish_unscheduled(request, self._too_big_message(request))
                 continue   # the list shrank at `index`
+            if ahead:
+                self.ahead_blocked = True   # no preemption while a step is in flight
+                break
             while not kv.allocate_slots(request, num_new):
                 victim = running[-1]
                 self._preempt(victim)
@@ -157,7 +182,7 @@ class Scheduler:
                 index += 1
 
         # Waiting requests, FCFS; none after a preemption, which would re-admit what was just evicted.
-        while self.waiting and budget > 0 and not out.preempted_request_ids \
+        while self.waiting and budget > 0 and not out.preempted_request_ids and not self.ahead_blocked \
                 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if not self.kv.can_ever_fit(request.num_tokens):
@@ -220,8 +245,10 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         running = RequestStatus.RUNNING
         for request, samples in zip(scheduler_output.requests, scheduler_output.samples):
+            if samples:
+                request.num_pending_tokens -= 1
             if request.status is not running:
-                continue   # aborted between schedule() and now
+                continue   # ended (abort, stop) while the step ran: its token is dropped
             if errors and request.request_id in errors:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error=errors[request.request_id])
                 changed.append(request)
@@ -235,6 +262,7 @@ class Scheduler:
                 changed.append(request)
                 continue
             request.append_output_token(token)
+            self.total_generated_tokens += 1
             if now is not None:
                 if request.first_token_time is None:
                     request.first_token_time = now

@@ -40,6 +40,11 @@ class StepBatch:
     sample_requests: list[Request]     # requests that sample this step, in row order
     sample_rows: torch.Tensor          # [len(sample_requests)] device row index of each one's last token
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+    # Requests (row indices) whose last scheduled token is pending: sampled by the step in flight, its id
+    # not on the host yet (async scheduling). input_ids holds 0 at pending_token_index until the runner
+    # copies the ids in on the device.
+    pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pending_token_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
@@ -80,13 +85,20 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
     # Per-request gathers go through map/attrgetter so the loops run in C: at a batch of hundreds of
     # decodes, Python-level per-request work is most of a step's host time.
     token_lists = list(map(_all_token_ids, requests))
-    if num_tokens == num_reqs:
+    known_ends = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_reqs)
+    pending_rows = np.flatnonzero(computed + scheduled > known_ends)
+    if num_tokens == num_reqs and not len(pending_rows):
         # Decode-only step: one token per request.
         input_ids[:num_reqs] = list(map(operator.getitem, token_lists, so.num_computed_tokens))
+    elif num_tokens == num_reqs and len(pending_rows) == num_reqs:
+        input_ids[:num_reqs] = 0    # a steady decode step scheduled ahead: every id comes from the device
     else:
         for tokens, start, n, offset in zip(token_lists, so.num_computed_tokens, so.num_scheduled_tokens,
                                             qsl[:num_reqs].tolist()):
-            input_ids[offset:offset + n] = tokens[start:start + n]
+            known = tokens[start:start + n]     # one short when the last token is pending
+            input_ids[offset:offset + len(known)] = known
+            if len(known) < n:
+                input_ids[offset + len(known)] = 0
     # ---- persistent block-table rows (begin) ----
     # A request scheduled at the same row as in the previous step only appends blocks (the KV manager
     # extends, never rewrites, while it stays scheduled), so only rows with a new owner or new blocks
@@ -158,6 +170,7 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
         attn=attn, sample_requests=sample_requests,
         sample_rows=bufs.logits_indices.to_device(n_sample),
         prompt_logprob_rows=_prompt_logprob_rows(so, qsl),
+        pending_rows=pending_rows, pending_token_index=qsl[pending_rows + 1].astype(np.int64) - 1,
     )
 
 

@@ -116,6 +116,12 @@ class ModelRunner:
         # False while no request the engine holds is traced: launch() then skips the per-request trace scan.
         self.trace_possible = True
         self._sampling_cache: tuple[list[SamplingParams], SamplingMetadata] | None = None
+        # The last launched step's sampled ids (device) and their requests, in row order: a step launched
+        # ahead of that step's readback takes its pending input ids from here (_feed_pending_tokens).
+        self._last_sampled: tuple[torch.Tensor, list[Any]] | None = None
+        # Recorded after a step's host-to-device input copies: the pinned host buffers they read are
+        # rewritten by the next step's batch building, which may run while that step is in flight.
+        self._inputs_copied: torch.cuda.Event | None = None
 
     @property
     def supports_prefix_caching(self) -> bool:
@@ -221,8 +227,14 @@ class ModelRunner:
             if graph_size is not None and graph_key and not self.cuda_graphs.ensure_variant(
                     graph_size, graph_key, trace.capture_hooks, self.kv_caches):
                 graph_size = None
+        self._wait_for_input_copies()
         batch = build_step_batch(so, self.buffers, self.block_size, num_padded_tokens=graph_size,
                                  num_padded_reqs=graph_size)
+        if len(batch.pending_rows):
+            self._feed_pending_tokens(so.requests, batch)
+        if self.device.type == "cuda":
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
         extras = self.state_pool.prepare(so) if self.state_pool is not None else None
         if trace is not None:
             trace.prepare(batch.num_padded_tokens, graph=graph_size is not None)
@@ -258,6 +270,38 @@ class ModelRunner:
         if step.trace is not None:
             step.trace.finish_step(out)
         return out
+
+    def _wait_for_input_copies(self) -> None:
+        """Before the pinned input buffers are rewritten, the previous step's copies out of them must be
+        done. They are queued first in that step, so by now they almost always are (query, no wait)."""
+        copied = self._inputs_copied
+        if copied is not None and not copied.query():
+            with self._device_readback():
+                copied.synchronize()
+
+    def _feed_pending_tokens(self, requests: list[Any], batch: StepBatch) -> None:
+        """Copy, on the device, the ids sampled by the previous launched step into this step's input ids
+        at the tokens the host does not know yet (a step scheduled ahead of the previous one's readback)."""
+        if self._last_sampled is None:
+            raise RuntimeError("a scheduled token is pending, but no launched step sampled it")
+        sampled, sampled_requests = self._last_sampled
+        pending = [requests[i] for i in batch.pending_rows.tolist()]
+        input_ids = self.buffers.input_ids.device
+        count = len(pending)
+        in_order = (count <= len(sampled_requests) and all(map(operator.is_, pending, sampled_requests))
+                    and batch.pending_token_index[-1] == count - 1)
+        if in_order:
+            # A steady decode batch: the same requests in the same rows as the step before.
+            input_ids[:count].copy_(sampled[:count], non_blocking=True)
+            return
+        row_of = {id(r): row for row, r in enumerate(sampled_requests)}
+        try:
+            source = [row_of[id(r)] for r in pending]
+        except KeyError as exc:
+            raise RuntimeError("a pending token's request was not sampled by the previous launched step") from exc
+        source_rows = host_to_device(source, torch.int64, self.device)
+        target_rows = host_to_device(batch.pending_token_index.tolist(), torch.int64, self.device)
+        input_ids.index_copy_(0, target_rows, sampled.index_select(0, source_rows).to(input_ids.dtype))
 
     @contextlib.contextmanager
     def _device_readback(self) -> Iterator[None]:
@@ -301,6 +345,7 @@ class ModelRunner:
         """Queue LM head + sampler (and prompt logprobs) and the copies of their results to the host."""
         requests = batch.sample_requests
         step = LaunchedStep(list(map(_request_id, requests)), [], trace=trace)
+        self._last_sampled = None
         if trace is not None:
             trace.apply_logits_ops(self.head, hidden)   # `logits` site: exact logits, edits reach the sampler
         if requests:
@@ -311,6 +356,7 @@ class ModelRunner:
             else:
                 result = trace.sample(self.head, self.sampler, sample_hidden, sampling)
                 trace.record_tokens(result.sampled_token_ids)
+            self._last_sampled = (result.sampled_token_ids, requests)
             step.token_ids = _to_host(result.sampled_token_ids)
             if result.logprobs is not None:
                 step.logprobs = _logprobs_to_host(result.logprobs)

@@ -1,9 +1,12 @@
-"""Async scheduling (step N+1 launched before step N's outputs are processed) keeps the serial semantics.
+"""Async scheduling (step N+1 scheduled and launched before step N is read back) keeps the serial semantics.
 
-The reference is the same engine run serially on the same random model: every report of every step must
-be identical. The cases async scheduling makes new get their own checks: a stop string found in step N's
-text while step N+1 already holds the request (the N+1 token is dropped, never reported, blocks freed),
-and an abort while a step is in flight.
+The reference is the same engine run serially on the same random model. Requests that can step ahead
+(Request.can_step_ahead) must end with exactly the serial outputs, and every streamed report must extend
+the previous one; when a request that cannot step ahead (penalties, min_tokens) is present, the engine
+only overlaps output processing, and every report of every step equals the serial engine's. The cases
+stepping ahead makes new get their own checks: a request ending (EOS, stop string, abort) while the next
+step already holds it (that token is dropped, never reported, blocks freed), preemption, which a step
+scheduled ahead never does, and ids fed on the device.
 """
 from __future__ import annotations
 
@@ -73,13 +76,53 @@ def _stop_strings_from_serial(model_dir: str, seed: int) -> list[str]:
     return [text[5:8]]
 
 
+def _final_outputs(steps: list[list[tuple]]) -> dict[str, tuple]:
+    """The last report of each request, checking on the way that each report extends the one before."""
+    last: dict[str, tuple] = {}
+    for step in steps:
+        for snap in step:
+            rid, previous = snap[0], last.get(snap[0])
+            if previous is not None:
+                assert not previous[1], f"{rid} reported after it finished"
+                for before, after in zip(previous[3], snap[3]):
+                    assert after[2][:len(before[2])] == before[2], f"{rid}: a report dropped tokens"
+            last[rid] = snap
+    return last
+
+
+def _step_ahead_requests(seed: int, stop: list[str]) -> list[tuple[str, list[int], SamplingParams, bool]]:
+    prompts = _prompts(seed, 6)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=seed, max_tokens=12, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=stop),
+        SamplingParams(temperature=0.7, seed=seed + 7, max_tokens=10, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.9, seed=seed + 3, top_k=20, top_p=0.9, max_tokens=11),
+    ]
+    return [(f"r{i}", prompt, p, i % 2 == 0) for i, (prompt, p) in enumerate(zip(prompts, params))]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_step_reports_the_same_as_serial(model_dir, seed):
+def test_stepping_ahead_ends_with_the_serial_outputs(model_dir, seed):
+    stop = _stop_strings_from_serial(model_dir, seed)
+    serial = _final_outputs(_run(_engine(model_dir, async_scheduling=False), _step_ahead_requests(seed, stop)))
+    engine = _engine(model_dir, async_scheduling=True)
+    ahead = _final_outputs(_run(engine, _step_ahead_requests(seed, stop)))
+    assert ahead == serial
+    assert engine.num_steps_ahead > 0
+    assert engine.block_pool.num_used_blocks == 0
+    assert all(r.num_pending_tokens == 0 for r in engine.outputs.children_of("r1"))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_requests_that_cannot_step_ahead_keep_every_step_serial(model_dir, seed):
     stop = _stop_strings_from_serial(model_dir, seed)
     serial = _run(_engine(model_dir, async_scheduling=False), _mixed_requests(seed, stop))
     overlapped_engine = _engine(model_dir, async_scheduling=True)
     overlapped = _run(overlapped_engine, _mixed_requests(seed, stop))
     assert overlapped == serial
+    assert overlapped_engine.num_steps_ahead == 0
     assert overlapped_engine.block_pool.num_used_blocks == 0
     assert not overlapped_engine.has_unfinished_requests()
 
@@ -90,11 +133,12 @@ def test_preemption_under_async_scheduling_matches_serial(model_dir, seed):
     requests = [(f"p{i}", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), True)
                 for i, prompt in enumerate(_prompts(seed, 5))]
     serial_engine = _engine(model_dir, async_scheduling=False, num_kv_blocks=12, block_size=16)
-    serial = _run(serial_engine, requests)
+    serial = _final_outputs(_run(serial_engine, requests))
     overlapped_engine = _engine(model_dir, async_scheduling=True, num_kv_blocks=12, block_size=16)
-    overlapped = _run(overlapped_engine, requests)
+    overlapped = _final_outputs(_run(overlapped_engine, requests))
     assert serial_engine.scheduler.num_preemptions > 0
-    assert overlapped_engine.scheduler.num_preemptions == serial_engine.scheduler.num_preemptions
+    assert overlapped_engine.scheduler.num_preemptions > 0
+    assert overlapped_engine.num_steps_ahead > 0
     assert overlapped == serial
     assert overlapped_engine.block_pool.num_used_blocks == 0
 
@@ -168,7 +212,8 @@ def test_abort_while_step_in_flight(model_dir, seed):
     assert _snapshot(keep_reports[-1]) == _snapshot(serial_final)
 
 
-def test_async_scheduling_is_opt_in(model_dir):
+def test_async_scheduling_defaults_off_on_the_cpu(model_dir):
+    # On the CPU a launch is the computation itself: nothing would overlap. CUDA devices default to on.
     config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", max_model_len=128)
     assert EngineCore(config).async_scheduling is False
 

@@ -137,16 +137,16 @@ def test_bad_prompts_are_clear_errors_and_engine_keeps_serving(llm):
 
 def test_runtime_error_fails_only_that_batch_and_engine_recovers(llm, monkeypatch):
     prompt = _prompts(llm, 6, [6])[0]
-    real_execute = llm.engine.runner.execute
+    real_launch = llm.engine.runner.launch
     calls = {"n": 0}
 
     def flaky(so):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return real_execute(so)
+        return real_launch(so)
 
-    monkeypatch.setattr(llm.engine.runner, "execute", flaky)
+    monkeypatch.setattr(llm.engine.runner, "launch", flaky)
     failed = llm.generate([prompt], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert failed.outputs[0].finish_reason == "error" and "injected failure" in failed.error
     ok = llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
