@@ -10,13 +10,24 @@ Prints output tokens/s (median of --repeats; the three workloads are interleaved
 and the ratio to untraced. Without --model it uses the embedded default model (random weights).
 On a GPU, decode steps whose ops are all taps (save, add, ... ; pellucid/tracing/taps.py) replay CUDA
 graphs captured with those taps, like untraced steps; the last line says how many replays had taps.
+
+--breakdown adds, per workload, the wall time of each engine phase summed over one generate (median over
+the repeats, and the worst repeat: the first one captures the tap graph variants), the engine steps by
+kind (prefill / decode replay / decode tap replay / decode eager) and the time in Python's GC.
+--profile-steps N profiles N steady decode steps of each workload with torch.profiler (CPU and CUDA):
+GPU kernel time and count per step, and the CPU ops and CUDA API calls that cost the most host time.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import cProfile
+import gc
+import pstats
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -42,6 +53,192 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams,
     return len(prompts) * params.max_tokens / elapsed
 
 
+class PhaseClock:
+    """Wall time per engine phase, summed per generate, by wrapping the methods that run each phase."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+        self.steps: dict[str, list[dict[str, list[float]]]] = collections.defaultdict(list)
+        self.current: dict[str, float] | None = None
+        self.current_steps: dict[str, list[float]] | None = None
+        self.order: list[str] = []
+        self._gc_start = 0.0
+        self._step_kind = ""
+
+    def wrap(self, owner: Any, attribute: str, name: str) -> None:
+        inner = getattr(owner, attribute)
+        self.order.append(name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.current is None:
+                return inner(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
+        setattr(owner, attribute, timed)
+
+    def install(self, llm: LLM) -> None:
+        import pellucid.engine.engine_core as engine_core_module
+        import pellucid.runner.model_runner as model_runner_module
+        import pellucid.tracing.plan as plan_module
+        from pellucid.tracing.hooks import StepTrace
+
+        core = llm.engine
+        runner = core.runner
+        self.wrap(core, "add_request", "add_request")
+        self.wrap(core, "step", "step")
+        self.wrap(core, "_schedule", "  schedule")
+        self.wrap(runner, "launch", "  runner.launch")
+        self.wrap(StepTrace, "for_step", "    StepTrace.for_step")
+        if runner.cuda_graphs is not None:
+            self.wrap(runner.cuda_graphs, "ensure_variant", "    ensure_variant (tap graph captures)")
+            self.wrap(runner.cuda_graphs, "replay", "    graph replay")
+        self.wrap(model_runner_module, "build_step_batch", "    build_step_batch")
+        self.wrap(StepTrace, "prepare", "    StepTrace.prepare")
+        self.wrap(StepTrace, "after_replay", "    StepTrace.after_replay")
+        self.wrap(runner, "_forward", "    eager forward")
+        self.wrap(runner, "_launch_sampling", "    head + sampler launch")
+        self.wrap(runner, "collect", "  runner.collect (waits for the GPU)")
+        self.wrap(core.scheduler, "update_from_output", "  update_from_output")
+        self.wrap(engine_core_module, "finish_traced_requests", "  finish_traced_requests")
+        self.wrap(plan_module, "_gather_group", "    _gather_group (assemble saves)")
+        self.wrap(plan_module, "_to_host_per_save", "      _to_host_per_save (copy + sync)")
+        self.wrap(core.outputs, "process_tokens", "  process_tokens")
+        self.wrap(core.outputs, "make_outputs", "  make_outputs")
+        self.order.append("gc")
+        gc.callbacks.append(self._gc)
+        # Steps by kind: what the launch did, and the step's wall time.
+        launch = runner.launch
+        graphs = runner.cuda_graphs
+
+        def kind_of_launch(so: Any) -> Any:
+            before = (graphs.num_replays, graphs.num_tap_replays) if graphs is not None else (0, 0)
+            result = launch(so)
+            after = (graphs.num_replays, graphs.num_tap_replays) if graphs is not None else (0, 0)
+            decode = so.total_num_scheduled_tokens == so.num_reqs
+            self._step_kind = ("prefill/mixed" if not decode else "decode tap replay" if after[1] > before[1]
+                               else "decode replay" if after[0] > before[0] else "decode eager")
+            return result
+        runner.launch = kind_of_launch
+        step = core.step
+
+        def timed_step() -> Any:
+            self._step_kind = "no launch"
+            t0 = time.perf_counter()
+            result = step()
+            if self.current_steps is not None:
+                self.current_steps.setdefault(self._step_kind, []).append(time.perf_counter() - t0)
+            return result
+        core.step = timed_step
+
+    def _gc(self, phase: str, _info: dict[str, Any]) -> None:
+        if self.current is None:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.current["gc"] = self.current.get("gc", 0.0) + time.perf_counter() - self._gc_start
+
+    @contextlib.contextmanager
+    def measure(self, workload: str) -> Iterator[None]:
+        self.current, self.current_steps = {}, {}
+        try:
+            yield
+        finally:
+            self.runs[workload].append(self.current)
+            self.steps[workload].append(self.current_steps)
+            self.current = self.current_steps = None
+
+    def report(self) -> None:
+        names = list(self.runs)
+        print("\nphase wall ms per generate, median (worst) over repeats")
+        print(f"{'phase':<44}" + "".join(f"{n[:22]:>24}" for n in names))
+        for phase in self.order:
+            cells = []
+            for n in names:
+                values = [run.get(phase, 0.0) * 1e3 for run in self.runs[n]]
+                cells.append(f"{statistics.median(values):.1f} ({max(values):.1f})")
+            print(f"{phase:<44}" + "".join(f"{c:>24}" for c in cells))
+        print("\nsteps per generate by kind: count, median ms, total ms (median over repeats)")
+        kinds = sorted({k for n in names for run in self.steps[n] for k in run})
+        for kind in kinds:
+            cells = []
+            for n in names:
+                runs = [run.get(kind, []) for run in self.steps[n]]
+                count = statistics.median(len(r) for r in runs)
+                med = statistics.median(statistics.median(r) * 1e3 if r else 0.0 for r in runs)
+                total = statistics.median(sum(r) * 1e3 for r in runs)
+                cells.append(f"{count:.0f} x {med:.2f} = {total:.1f}")
+            print(f"{kind:<44}" + "".join(f"{c:>24}" for c in cells))
+
+
+def profile_decode_steps(llm: LLM, prompts: list[list[int]], name: str, extras: list[dict[str, Any] | None],
+                         num_steps: int, trace_dir: str | None) -> None:
+    """torch.profiler (CPU, and CUDA on a GPU) over `num_steps` decode steps once every request decodes; then the rest
+    of the generation runs unprofiled. Prints GPU time and kernels per step, and the top host costs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    core = llm.engine
+    cuda = core.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * num_steps + 8, ignore_eos=True)
+    for i, (prompt, ex) in enumerate(zip(prompts, extras)):
+        core.add_request(f"profile-{name}-{i}", prompt, params, ex, stream=False)
+    while core.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                            for r in core.scheduler.running):
+        core.step()
+    for _ in range(2):
+        core.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            core.step()
+        sync()
+        wall = time.perf_counter() - t0
+    python_profile = cProfile.Profile()     # then the same number of steps under cProfile: Python hot spots
+    python_profile.enable()
+    for _ in range(num_steps):
+        core.step()
+    sync()
+    python_profile.disable()
+    while core.has_unfinished_requests():
+        core.step()
+    kernels = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
+    gpu_us = sum(e.device_time for e in kernels) / num_steps
+    print(f"\n[{name}] {num_steps} decode steps, batch {len(prompts)}: {wall / num_steps * 1e3:.2f} ms/step wall "
+          f"(profiled), GPU {gpu_us:.0f} us/step in {len(kernels) / num_steps:.0f} kernels/memcpys per step")
+    host = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            entry = host[e.name]
+            entry[0] += 1
+            entry[1] += e.self_cpu_time_total
+    top = sorted(host.items(), key=lambda kv: -kv[1][1])[:14]
+    print(f"  {'host op (self CPU)':<58}{'calls/step':>11}{'us/step':>9}")
+    for op, (count, us) in top:
+        print(f"  {op[:58]:<58}{count / num_steps:>11.1f}{us / num_steps:>9.1f}")
+    device = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        entry = device[e.name]
+        entry[0] += 1
+        entry[1] += e.device_time
+    top = sorted(device.items(), key=lambda kv: -kv[1][1])[:6]
+    print(f"  {'GPU kernel / copy':<58}{'calls/step':>11}{'us/step':>9}")
+    for op, (count, us) in top:
+        print(f"  {op[:58]:<58}{count / num_steps:>11.1f}{us / num_steps:>9.1f}")
+    stats = pstats.Stats(python_profile).stats      # (file, line, function) -> (cc, ncalls, tottime, cumtime, _)
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+    print(f"  {'Python function (cProfile tottime)':<58}{'calls/step':>11}{'us/step':>9}")
+    for (file, line, func), (_, ncalls, tottime, _, _) in top:
+        where = f"{file.rsplit('/', 1)[-1]}:{line} {func}"
+        print(f"  {where[:58]:<58}{ncalls / num_steps:>11.1f}{tottime / num_steps * 1e6:>9.1f}")
+    if trace_dir:
+        prof.export_chrome_trace(f"{trace_dir}/trace_{name.split()[0]}.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HuggingFace-format directory (default: the embedded model)")
@@ -56,6 +253,11 @@ def main() -> None:
     ap.add_argument("--enable-prefix-caching", action="store_true",
                     help="keep the prefix cache on; off by default because every repeat sends the same prompts, so "
                          "untraced requests would skip their prefill from the cache while traced ones never read it")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print the wall time of each engine phase and the steps by kind, per workload")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="torch.profiler over this many steady decode steps of each workload")
+    ap.add_argument("--profile-dir", default=None, help="write each workload's chrome trace here")
     args = ap.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
@@ -71,12 +273,16 @@ def main() -> None:
         f"save {site}.output": lambda: [{"trace": TracePlan([Save(site=site)])} for _ in prompts],
         f"add vector at {site}.output": lambda: [{"trace": TracePlan([Add(site=site, value=vector)])} for _ in prompts],
     }
+    clock = PhaseClock() if args.breakdown else None
+    if clock is not None:
+        clock.install(llm)
     for make in workloads.values():   # warm-up (and the site probe)
         timed(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), make)
     results: dict[str, list[float]] = {name: [] for name in workloads}
     for _ in range(args.repeats):
         for name, make in workloads.items():
-            results[name].append(timed(llm, prompts, params, make))
+            with clock.measure(name) if clock is not None else contextlib.nullcontext():
+                results[name].append(timed(llm, prompts, params, make))
     medians = {name: statistics.median(values) for name, values in results.items()}
     base = medians["untraced"]
     device = torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else \
@@ -91,6 +297,11 @@ def main() -> None:
     graphs = llm.engine.runner.cuda_graphs
     if graphs is not None:
         print(f"CUDA graph replays: {graphs.num_replays}, of which with tracing taps: {graphs.num_tap_replays}")
+    if clock is not None:
+        clock.report()
+    if args.profile_steps:
+        for name, make in workloads.items():
+            profile_decode_steps(llm, prompts, name, make(), args.profile_steps, args.profile_dir)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ class EngineCore:
             sc.async_scheduling = self.device.type == "cuda"
         self.async_scheduling = sc.async_scheduling
         self._in_flight: _InFlight | None = None  # the step launched ahead (async scheduling)
-        self._traced: list[Request] = []         # unfinished traced requests: their steps run one at a time
+        self._traced: list[Request] = []         # unfinished traced requests (their saves are finished per step)
         self._serial_only: list[Request] = []    # unfinished requests that cannot step ahead (can_step_ahead)
         self.runner.trace_possible = False
         self.num_discarded_tokens = 0            # in-flight tokens of requests that ended before them
@@ -252,7 +252,7 @@ class EngineCore:
 
     def _can_schedule_ahead(self, current: _InFlight) -> bool:
         """Whether the next step may be launched before `current` is read back (async scheduling)."""
-        if not self.async_scheduling or self._traced or current.failed is not None or self.scheduler.ahead_blocked:
+        if not self.async_scheduling or current.failed is not None or self.scheduler.ahead_blocked:
             return False
         if self._serial_only:   # requests that need their tokens on the host first (Request.can_step_ahead)
             if not _all_unfinished(self._serial_only, self.scheduler.requests):

@@ -13,6 +13,15 @@ from pellucid.sampling_params import SamplingParams
 # different salts never share blocks, e.g. to keep tenants' prompts from probing each other's cache.
 CACHE_SALT_KEY = "cache_salt"
 
+# request.extras keys whose feature works on steps launched ahead of the previous step's readback
+# (Request.can_step_ahead); a feature registers its key when it keeps all per-step state on the device.
+_STEP_AHEAD_EXTRAS_KEYS: set[str] = {CACHE_SALT_KEY}
+
+
+def allow_step_ahead_for_extras_key(key: str) -> None:
+    """Requests carrying `key` in extras may still step ahead (see Request.can_step_ahead)."""
+    _STEP_AHEAD_EXTRAS_KEYS.add(key)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -98,13 +107,13 @@ class Request:
     def can_step_ahead(self) -> bool:
         """Whether a step may be launched for this request before its previous token is read back.
 
-        Penalties and min_tokens bans are built on the host from the tokens generated so far, and
-        features in `extras` (tracing, extraction) read each step's tokens on the host, so those
-        requests need their last token first. A cache salt only keys the prefix cache.
+        Penalties and min_tokens bans are built on the host from the tokens generated so far, so
+        those requests need their last token first; so do features in `extras` that did not register
+        with allow_step_ahead_for_extras_key.
         """
         params = self.sampling_params
         return (not params.needs_penalties and params.min_tokens == 0
-                and all(key == CACHE_SALT_KEY for key in self.extras))
+                and all(key in _STEP_AHEAD_EXTRAS_KEYS for key in self.extras))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

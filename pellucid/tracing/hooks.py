@@ -16,6 +16,7 @@ consumer of the original tensor sees them; saves are copies, never views.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import operator
 import weakref
@@ -86,8 +87,11 @@ class StepTrace:
         self._logits_users = [t for t in traced if t.plan.has_logits_ops]
         self._logit_editors = [t for t in traced if t.plan.edits_logits]
         self._token_users = [t for t in traced if t.sample_index is not None and t.plan.has_tokens_ops]
-        # Plans fail only through _fail while this trace runs; finish_step reports exactly these.
-        self._newly_failed: list[_Traced] = []
+        # Plans fail only through _fail while this trace runs; finish_step reports exactly these, each with
+        # the step it failed in. Under async scheduling this trace may already run the next step (launched
+        # ahead) when a step is collected: `_launched` holds the steps not collected yet, oldest first.
+        self._newly_failed: list[tuple[int, _Traced]] = []
+        self._launched: collections.deque[int] = collections.deque()
         self._any_failed = False
         self._split_targets()
         self._graph_key = None if self.per_request else tuple(sorted((t, tap.flags) for t, tap in self.taps.items()))
@@ -99,6 +103,7 @@ class StepTrace:
         previous = runtime.last_trace
         if previous is not None and previous._continues(so):
             previous._advance()
+            previous._launched.append(previous._steps)
             return previous
         traced: list[_Traced] = []
         sample_index = 0
@@ -122,6 +127,7 @@ class StepTrace:
             runtime.last_trace = None
             return None
         trace = cls(model, traced, np.asarray(sample_rows, dtype=np.int64), row, runtime)
+        trace._launched.append(0)
         # A decode step (one row per request) whose next step has the same requests reuses this one.
         decode = row == len(so.requests)
         trace.requests = list(so.requests) if decode else []
@@ -129,7 +135,9 @@ class StepTrace:
         return trace
 
     def _continues(self, so: Any) -> bool:
-        """Is `so` the next decode step of exactly this batch (same requests, rows and sampling)?"""
+        """Is `so` the next decode step of exactly this batch (same requests, rows and sampling)? Also
+        when the last step is still in flight (async scheduling: the scheduler has already advanced every
+        request's computed tokens by one for it, exactly as after a collected step)."""
         requests = so.requests
         if not self.requests or len(requests) != len(self.requests) or so.total_num_scheduled_tokens != len(requests):
             return False
@@ -159,7 +167,7 @@ class StepTrace:
 
     def _fail(self, t: _Traced, op_index: int, exc: BaseException) -> None:
         t.plan.fail(op_index, exc)
-        self._newly_failed.append(t)
+        self._newly_failed.append((self._steps, t))
         self._any_failed = True
 
     def _split_targets(self) -> None:
@@ -321,9 +329,15 @@ class StepTrace:
                                        sampled_token_ids[t.sample_index:t.sample_index + 1].clone())
 
     def finish_step(self, out: Any) -> None:
-        """Report requests whose trace failed in this step; the scheduler ends them with an error."""
-        newly_failed, self._newly_failed = self._newly_failed, []
-        for t in newly_failed:
+        """Report requests whose trace failed in this step (the oldest step of this trace not collected
+        yet; failures in a step launched after it wait for that step's collect). The scheduler ends them
+        with an error."""
+        step = self._launched.popleft() if self._launched else self._steps
+        if not self._newly_failed:
+            return
+        now = [t for failed_in, t in self._newly_failed if failed_in <= step]
+        self._newly_failed = [(failed_in, t) for failed_in, t in self._newly_failed if failed_in > step]
+        for t in now:
             if t.plan.newly_failed:
                 t.plan.newly_failed = False
                 rid = t.plan.request_id

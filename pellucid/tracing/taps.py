@@ -133,20 +133,19 @@ def _check_value(plan: TracePlan, op_index: int) -> None:
     num_selected = len(plan.selected[op_index])
     rows = _value_has_rows(plan, op_index)
     expected = (num_selected, *shape) if rows else shape
-    try:
-        if rows:
-            if value.shape[0] != num_selected:
-                raise ValueError(f"{op.kind} {op.value_field} has {value.shape[0]} rows (one per selected "
-                                 f"position) but the op selects {num_selected} positions of this request")
-            fits = torch.broadcast_shapes(value.shape, expected) == torch.Size(expected)
-        else:
-            fits = torch.broadcast_shapes(value.shape, shape) == torch.Size(shape)
-    except RuntimeError:
-        fits = False
-    if not fits:
+    if rows and value.shape[0] != num_selected:
+        raise ValueError(f"{op.kind} {op.value_field} has {value.shape[0]} rows (one per selected "
+                         f"position) but the op selects {num_selected} positions of this request")
+    if not _broadcasts_to(tuple(value.shape), tuple(expected) if rows else tuple(shape)):
         raise ValueError(f"{op.kind} {op.value_field} of shape {tuple(value.shape)} does not fit {op.target}, "
                          f"whose per-token shape is {tuple(shape)} (expected {tuple(expected)} or a shape that "
                          f"broadcasts to it)")
+
+
+def _broadcasts_to(source: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of shape `source` broadcasts to exactly `target` (torch.broadcast_shapes rules,
+    without its cost: this runs once per traced request and op)."""
+    return len(source) <= len(target) and all(a in (1, b) for a, b in zip(reversed(source), reversed(target)))
 
 
 def _program_forms(plan: TracePlan, program: TapProgram, device: torch.device) -> tuple[tuple[int, ...], list[torch.Tensor]]:

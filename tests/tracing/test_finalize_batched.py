@@ -24,15 +24,21 @@ def _plan() -> TracePlan:
     return plan
 
 
-def _random_chunk(rows: int, name: str, gen: torch.Generator) -> torch.Tensor:
+def _random_chunk(rows: int, name: str, gen: torch.Generator, device: str = "cpu") -> torch.Tensor:
     shape, dtype = SHAPES[name]
     if dtype == torch.int64:
-        return torch.randint(0, 1000, (rows, *shape), generator=gen)
-    return torch.randn((rows, *shape), generator=gen, dtype=dtype)
+        return torch.randint(0, 1000, (rows, *shape), generator=gen).to(device)
+    return torch.randn((rows, *shape), generator=gen, dtype=dtype).to(device)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_finalize_plans_matches_per_position_reference(seed: int) -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
+def test_finalize_plans_matches_per_position_reference(seed: int, device: str) -> None:
+    """Random records (decode chunks, prefill chunks, per-request chunks, recomputed positions), random
+    position limits (rows a step launched ahead recorded past a request's end), on the CPU and the GPU."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     plans = [_plan() for _ in range(int(rng.integers(1, 6)))]
@@ -43,7 +49,7 @@ def test_finalize_plans_matches_per_position_reference(seed: int) -> None:
             kind = rng.integers(0, 3)
             if kind == 0:       # a decode step's shared chunk: one row per plan (int position, start k)
                 members = [i for i in range(len(plans)) if rng.random() < 0.7]
-                chunk = _random_chunk(len(members) + int(rng.integers(0, 3)), name, gen)   # spare rows
+                chunk = _random_chunk(len(members) + int(rng.integers(0, 3)), name, gen, device)   # spare rows
                 order = rng.permutation(len(members))
                 for k, j in enumerate(order.tolist()):
                     i = members[j]
@@ -52,7 +58,7 @@ def test_finalize_plans_matches_per_position_reference(seed: int) -> None:
                     expected[i][name][position] = chunk[k]
             elif kind == 1:     # a prefill tap's shared chunk: a run of rows per plan
                 start = 0
-                chunk = _random_chunk(40, name, gen)
+                chunk = _random_chunk(40, name, gen, device)
                 for i in range(len(plans)):
                     n = int(rng.integers(0, 5))
                     positions = np.sort(rng.choice(12, size=n, replace=False))
@@ -64,7 +70,7 @@ def test_finalize_plans_matches_per_position_reference(seed: int) -> None:
             else:               # the per-request path: a chunk of its own (start None)
                 i = int(rng.integers(0, len(plans)))
                 positions = np.sort(rng.choice(12, size=int(rng.integers(1, 4)), replace=False))
-                chunk = _random_chunk(positions.size, name, gen)
+                chunk = _random_chunk(positions.size, name, gen, device)
                 plans[i].record_save(op_of[name], positions, chunk)
                 for j, p in enumerate(positions.tolist()):
                     expected[i][name][p] = chunk[j]
@@ -73,19 +79,20 @@ def test_finalize_plans_matches_per_position_reference(seed: int) -> None:
         plans[-1].fail(0, RuntimeError("boom"))
     chunks_before = {id(c): (c, c.clone()) for plan in plans for lst in plan.saves.values() for c in lst[1::3]}
     assert chunks_before
-    results = finalize_plans(plans)
+    limits = [int(rng.integers(1, 14)) if rng.random() < 0.6 else None for _ in plans]
+    results = finalize_plans(plans, limits)
     for i, (plan, result) in enumerate(zip(plans, results)):
         assert plan.finalized
         if failed and i == len(plans) - 1:
             assert "boom" in result["trace_error"]["message"]
             continue
         for name, (shape, dtype) in SHAPES.items():
-            want = expected[i][name]
+            want = {p: v for p, v in expected[i][name].items() if limits[i] is None or p < limits[i]}
             got = result["saves"][name]
             assert result["save_positions"][name] == sorted(want)
-            assert got.dtype == dtype and got.shape == (len(want), *shape)
+            assert got.device.type == "cpu" and got.dtype == dtype and got.shape == (len(want), *shape)
             if want:
-                torch.testing.assert_close(got, torch.stack([want[p] for p in sorted(want)]), rtol=0, atol=0)
+                torch.testing.assert_close(got, torch.stack([want[p] for p in sorted(want)]).cpu(), rtol=0, atol=0)
         assert result["saves"]["empty"].shape == (0, 5) and result["save_positions"]["empty"] == []
     # Saves are copies: writing to one changes no other save and no recorded chunk.
     live = [r for r in results if "saves" in r and r["saves"]["h"].numel()]
