@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 4's runner path in one device call: GPU tests, then benchmarks.
 # Usage (device tool): bash benchmarks/gpu_issue4.sh [SECTION ...]
-#   sections: tests alltests profile qwen merged big throughput fused async step tracing extraction flashhead serve
+#   sections: tests alltests profile profile8b qwen merged big throughput fused serial step tracing extraction
+#             flashhead serve
 # $OUT/summary.md gets every table as it is made; $OUT/all.log every command's full output. The whole
 # script stops starting sections after TOTAL_S seconds (default 560) so one device call holds it.
 set -u
@@ -39,6 +40,7 @@ for s in $sections; do
     profile)
       run profile_qwen_b1 60 python3 benchmarks/decode_profile.py --model Qwen3-0.6B --batch 1
       run profile_qwen_b256 60 python3 benchmarks/decode_profile.py --model Qwen3-0.6B --batch 256 --top 12 ;;
+    profile8b) run profile_llama8b_b1 90 python3 benchmarks/decode_profile.py --model Llama-3.1-8B --batch 1 --top 15 ;;
     qwen) run lat_qwen_graphs 70 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,8,64,256 --output-len 64 ;;
     big) run lat_llama8b 200 python3 -m pellucid.bench latency --model Llama-3.1-8B --batch-sizes 1,16 --output-len 64 --prefill-len 8192 ;;
     throughput) run throughput_qwen 150 python3 -m pellucid.bench throughput --model Qwen3-0.6B ;;
@@ -56,10 +58,10 @@ for s in $sections; do
           run lat_${m}_unmerged $limit python3 -m pellucid.bench latency --model $m --batch-sizes 1 --output-len 64
         run lat_${m}_merged $limit python3 -m pellucid.bench latency --model $m --batch-sizes 1 --output-len 64
       done ;;
-    async)
-      run lat_qwen_async 70 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,64,256 --output-len 64 --async-scheduling
-      run throughput_qwen_async 150 python3 -m pellucid.bench throughput --model Qwen3-0.6B --async-scheduling ;;
-    step) run step_overhead 40 python3 benchmarks/step_overhead.py --batch 256 --steps 200 ;;
+    serial)   # async scheduling is the CUDA default: the same runs stepping serially, for comparison
+      run lat_qwen_serial 70 python3 -m pellucid.bench latency --model Qwen3-0.6B --batch-sizes 1,64,256 --output-len 64 --no-async-scheduling
+      run throughput_qwen_serial 150 python3 -m pellucid.bench throughput --model Qwen3-0.6B --no-async-scheduling ;;
+    step) OMP_NUM_THREADS=1 run step_overhead 60 python3 benchmarks/step_overhead.py --batch 256 --steps 300 ;;
     tracing)
       python3 -c "from pellucid.tiny_models import build_tiny_model as b; b('llama', '/tmp/m', hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=2048)" >/dev/null 2>&1
       run tracing_graphs 150 python3 benchmarks/tracing_bench.py --model /tmp/m --dtype bfloat16 --num-prompts 64 --output-len 64 --repeats 3 ;;

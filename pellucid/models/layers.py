@@ -4,6 +4,9 @@ Plain torch with HuggingFace-equivalent numerics. On CUDA (pellucid.kernels.fuse
 `rms_norm`, `add_rms_norm`, `RotaryEmbedding.forward`, `qk_norm_rotary` and `GatedMLP.forward` run
 fused Triton kernels that round at the same points; the CPU always runs the torch code.
 
+Linear layers (`Linear`, `MergedLinear`) run decode-sized products (few rows) as skinny Triton GEMMs on
+CUDA (pellucid.kernels.skinny_gemm); `Linear` still is the module that runs, so its site is untouched.
+
 Fast paths skip module calls (a merged GEMM instead of gate_proj and up_proj, a fused kernel instead of
 act_fn), so each one runs only while `is_observed` says no hook watches the modules it skips; otherwise
 the module-by-module path runs and every HuggingFace site fires with its exact value.
@@ -44,6 +47,38 @@ def merged_projections_enabled() -> bool:
     return setting == "1"
 
 
+def _skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, kernel: str, k: int, silu_mul: bool = False) -> bool:
+    """True when `kernel` (a skinny GEMM) is enabled for x's device and its shapes are decode-sized.
+
+    Depends on shapes, dtypes and strides only, so a CUDA-graph capture records the same choice each time.
+    """
+    if x.dim() != 2 or not fused_kernels_enabled(x, kernel):
+        return False
+    from pellucid.kernels.skinny_gemm import SUPPORTED_DTYPES, pick_config
+    return (x.dtype in SUPPORTED_DTYPES and weight.dtype == x.dtype and x.stride(-1) == 1
+            and weight.is_contiguous() and weight.shape[1] == k
+            and pick_config(x.shape[0], weight.shape[0], k, silu_mul) is not None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """nn.functional.linear; on CUDA a decode-sized x (few rows) runs the skinny GEMM instead of cuBLAS."""
+    if _skinny_gemm_applies(x, weight, "skinny_gemm", x.shape[-1]) and (bias is None or bias.is_contiguous()):
+        from pellucid.kernels.skinny_gemm import linear as skinny_linear
+        return skinny_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through `linear` (skinny GEMM for decode batches on CUDA).
+
+    Same parameters, names and hooks as nn.Linear: the module still runs, so its site sees the real
+    input and output.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class MergedLinear:
     """Several nn.Linear modules reading one input, stored as row blocks of one weight (and bias).
 
@@ -81,12 +116,16 @@ class MergedLinear:
     def _current_pointers(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The linears' outputs, as column views of one GEMM's [T, sum(out_features)] result."""
+    def merged_output(self, x: torch.Tensor) -> torch.Tensor:
+        """One GEMM's [T, sum(out_features)] result: the linears' outputs side by side."""
         if self._current_pointers() != self._pointers:
             raise RuntimeError("a merged projection's parameters were replaced after merging (their storage moved); "
                                "call merge() on it after reassigning weights")
-        return list(nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        return linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The linears' outputs, as column views of one GEMM's [T, sum(out_features)] result."""
+        return list(self.merged_output(x).split(self.sizes, dim=-1))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,9 +180,9 @@ class GatedMLP(nn.Module):
                  device: torch.device | str) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **factory)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **factory)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **factory)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, **factory)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, **factory)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **factory)
         self.act_fn = nn.SiLU()
         self.gate_up = MergedLinear([self.gate_proj, self.up_proj])
 
@@ -154,7 +193,14 @@ class GatedMLP(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if merged_projections_enabled() and not is_observed(self.gate_proj, self.up_proj):
+        merged = merged_projections_enabled() and not is_observed(self.gate_proj, self.up_proj)
+        # Decode batches: silu(gate) * up is computed inside the down projection's GEMM, which skips the
+        # `act_fn` and `down_proj` calls, so only while nothing observes either.
+        if (merged and not is_observed(self.act_fn, self.down_proj)
+                and _skinny_gemm_applies(x, self.down_proj.weight, "skinny_silu_down", self.down_proj.in_features, True)):
+            from pellucid.kernels.skinny_gemm import silu_mul_linear
+            return silu_mul_linear(self.gate_up.merged_output(x), self.down_proj.weight, self.down_proj.bias)
+        if merged:
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

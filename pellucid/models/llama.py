@@ -21,8 +21,8 @@ from torch import nn
 
 from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
-from pellucid.models.layers import (GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm, is_observed,
-                                    merged_projections_enabled, qk_norm_rotary)
+from pellucid.models.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm,
+                                    is_observed, merged_projections_enabled, qk_norm_rotary)
 from pellucid.models.registry import register_model
 
 
@@ -50,10 +50,10 @@ class DecoderAttention(nn.Module):
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = _head_dim(hf_config)
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=options.qkv_bias, **factory)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=options.qkv_bias, **factory)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=options.qkv_bias, **factory)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=options.o_bias, **factory)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=options.qkv_bias, **factory)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=options.qkv_bias, **factory)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=options.qkv_bias, **factory)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=options.o_bias, **factory)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if options.qk_norm:
