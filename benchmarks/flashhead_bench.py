@@ -30,6 +30,7 @@ from pellucid.heads.flashhead import kernels  # noqa: E402
 from pellucid.heads.flashhead.asset import save_asset  # noqa: E402
 from pellucid.heads.flashhead.cli import measure_latency_us  # noqa: E402
 from pellucid.heads.flashhead.clustering import balanced_spherical_kmeans  # noqa: E402
+from pellucid.heads.flashhead.crossover import time_us as gpu_time_us  # noqa: E402
 from pellucid.heads.flashhead.head import FlashHead  # noqa: E402
 from pellucid.runner.sampler import Sampler  # noqa: E402
 from pellucid.runner.sampling_metadata import SamplingMetadata  # noqa: E402
@@ -84,6 +85,9 @@ def bench_shape(name: str, batches: list[int], probes: int, cluster_size: int, i
                    "dense_sample_us": time_us(lambda: sampler(head.compute_logits(hidden), random_meta)),
                    "flash_sample_us": time_us(lambda: head._sample_fast(hidden, random_meta, sampler)),
                    "routed_sample_us": time_us(lambda: head.sample(hidden, random_meta, sampler))}
+            if graph:   # GPU time per call: back-to-back replays, without each replay's launch latency
+                row["dense_greedy_gpu_us"] = gpu_time_us(lambda: head.compute_logits(hidden).argmax(dim=1))
+                row["flash_greedy_gpu_us"] = gpu_time_us(lambda: head.greedy(hidden))
             if batch in (batches[0], batches[-1]):
                 row.update(stage_times(head, hidden, device, graph, sweep))
         results.append(row)
@@ -96,27 +100,32 @@ def stage_times(head: FlashHead, hidden: torch.Tensor, device: torch.device, gra
     keys = kernels.stage1(hidden, head.centroids, None, None)
     clusters = kernels.select_top(keys, head.probes)
     assert torch.equal(clusters.sort(dim=1).values, keys.topk(head.probes, dim=1).indices.sort(dim=1).values)
-    state = kernels.greedy_state(hidden.shape[0], device)
     args = (hidden, head.cluster_weight, head.cluster_token_ids, clusters)
     time_us = (lambda fn: measure_latency_us(fn, device, cuda_graph=graph))
     out = {"stage1_us": time_us(lambda: kernels.stage1(hidden, head.centroids, None, None)),
            "topk_us": time_us(lambda: keys.topk(head.probes, dim=1, sorted=False)),
-           "select_us": time_us(lambda: kernels.select_triton(keys, head.probes) if kernels.use_triton(keys)
-                                else kernels.select_top(keys, head.probes)),
            "stage2_logits_us": time_us(lambda: kernels.stage2(*args))}
     if not kernels.use_triton(hidden):
         return out
+    rows = hidden.shape[0]
+    state = kernels.greedy_state(rows, device)
+    histogram = kernels.selection_histogram(rows, device)
+    kernels.stage1_triton(hidden, head.centroids, None, None, histogram=histogram)
+    out["zero_histogram_us"] = time_us(lambda: kernels.selection_histogram(rows, device))
+    out["stage1_histogram_us"] = time_us(lambda: kernels.stage1_triton(
+        hidden, head.centroids, None, None, histogram=kernels.selection_histogram(rows, device)))
+    out["select_us"] = time_us(lambda: kernels.select_from_histogram_triton(keys, histogram, head.probes))
     out["stage2_greedy_us"] = time_us(lambda: (kernels.reset_greedy_state(*state),
                                                kernels.stage2_greedy_triton(*args, state)))
     if sweep:
         for block_c in (16, 32, 64):
             for warps in (4, 8):
-                for stages in (3,):
-                    out[f"sweep_stage1_c{block_c}_w{warps}_s{stages}_us"] = time_us(
-                        lambda: kernels.stage1_triton(hidden, head.centroids, None, None, block_c=block_c,
-                                                      num_warps=warps, num_stages=stages))
-        for warps in (4, 8, 16, 32):
-            out[f"sweep_select_w{warps}_us"] = time_us(lambda: kernels.select_triton(keys, head.probes, warps))
+                out[f"sweep_stage1_c{block_c}_w{warps}_us"] = time_us(
+                    lambda: kernels.stage1_triton(hidden, head.centroids, None, None, block_c=block_c,
+                                                  num_warps=warps))
+        for warps in (4, 8, 16):
+            out[f"sweep_select_w{warps}_us"] = time_us(
+                lambda: kernels.select_from_histogram_triton(keys, histogram, head.probes, warps))
         for block_p in (1, 2, 4):
             for block_h in (256, 1024):
                 for warps in (4, 8):
@@ -138,13 +147,22 @@ def print_head_table(rows: list[dict]) -> None:
               f"{r['dense_greedy_us'] / r['routed_greedy_us']:.2f}x | {r['dense_sample_us']:.1f} | "
               f"{r['flash_sample_us']:.1f} | {r['routed_sample_us']:.1f} | "
               f"{r['dense_sample_us'] / r['routed_sample_us']:.2f}x | {r['agreement_random']:.3f} |")
+    if any("flash_greedy_gpu_us" in r for r in rows):
+        print("\nGPU time per call (mean of 10 back-to-back replays, median of 5 groups; greedy):")
+        print("| shape | batch | dense us | flash us | ratio |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['shape']} | {r['batch']} | {r['dense_greedy_gpu_us']:.1f} | {r['flash_greedy_gpu_us']:.1f} | "
+                  f"{r['dense_greedy_gpu_us'] / r['flash_greedy_gpu_us']:.2f}x |")
     for r in rows:
         if "stage1_us" in r:
             print(f"{r['shape']} batch {r['batch']}: build {r['build_s']:.1f} s, max_fast_batch "
-                  f"{r['max_fast_batch']}; stage1 {r['stage1_us']:.1f} us, torch topk {r['topk_us']:.1f} us, "
-                  f"radix select {r['select_us']:.1f} us, stage2 logits {r['stage2_logits_us']:.1f} us, "
-                  f"stage2 greedy {r.get('stage2_greedy_us', float('nan')):.1f} us, fast path == torch reference: "
-                  f"{r['matches_torch_reference']:.3f}")
+                  f"{r['max_fast_batch']}; stage1 {r['stage1_us']:.1f} us (with the select histogram "
+                  f"{r.get('stage1_histogram_us', float('nan')):.1f} us, zeroing it "
+                  f"{r.get('zero_histogram_us', float('nan')):.1f} us), select "
+                  f"{r.get('select_us', float('nan')):.1f} us (torch topk {r['topk_us']:.1f} us), stage2 logits "
+                  f"{r['stage2_logits_us']:.1f} us, stage2 greedy {r.get('stage2_greedy_us', float('nan')):.1f} us, "
+                  f"fast path == torch reference: {r['matches_torch_reference']:.3f}")
             sweep = ", ".join(f"{k[6:-3]}={v:.1f}" for k, v in r.items() if k.startswith("sweep_"))
             if sweep:
                 print(f"  sweep (us): {sweep}")
@@ -195,6 +213,8 @@ def run_e2e(model_name: str, output_len: int, probes: int, cache_root: str) -> l
             row = {"model": model_name, "head": head, "repeat": repeat, "output_len": output_len,
                    "median_step_ms": statistics.median(steps) * 1e3,
                    "tokens_per_s": 1.0 / statistics.median(steps), "asset_build_s": build_s, **usage}
+            if head == "flashhead":
+                row.update(head_only_and_bytes(core.runner.model, core.runner.head))
             rows.append(row)
             print(json.dumps(row), flush=True)
             del core
@@ -206,14 +226,51 @@ def run_e2e(model_name: str, output_len: int, probes: int, cache_root: str) -> l
     return rows
 
 
+def head_only_and_bytes(model: torch.nn.Module, head: FlashHead) -> dict:
+    """What bounds the end-to-end gain of a cheaper head at batch 1: the weight bytes a decode step reads
+    (every weight once, the embedding table only one row, unless it is the tied head) with each head, and
+    the head-only latency of both inside the engine's own head object (CUDA-graph replays)."""
+    head_weight = model.lm_head.weight
+    seen, step_bytes = set(), 0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.data_ptr() in seen or ("embed" in name and tensor.data_ptr() != head_weight.data_ptr()):
+            continue
+        seen.add(tensor.data_ptr())
+        step_bytes += tensor.numel() * tensor.element_size()
+    if head_weight.data_ptr() not in seen:
+        step_bytes += head_weight.numel() * head_weight.element_size()
+    dense_head_bytes = head_weight.numel() * head_weight.element_size()
+    flash_head_bytes = (head.centroids.numel() * head.centroids.element_size()
+                        + head.probes * head.cluster_weight[0].numel() * head.cluster_weight.element_size())
+    flash_step_bytes = step_bytes - dense_head_bytes + flash_head_bytes
+    hidden = torch.randn(1, head_weight.shape[1], device=head_weight.device, dtype=head_weight.dtype)
+    with torch.inference_mode():
+        dense_us = measure_latency_us(lambda: head.compute_logits(hidden).argmax(dim=1), hidden.device,
+                                      cuda_graph=True)
+        flash_us = measure_latency_us(lambda: head.greedy(hidden), hidden.device, cuda_graph=True)
+    return {"step_weight_bytes_dense": step_bytes, "step_weight_bytes_flash": flash_step_bytes,
+            "dense_head_bytes": dense_head_bytes, "flash_head_bytes": flash_head_bytes,
+            "bytes_bound": step_bytes / flash_step_bytes, "head_dense_us": dense_us, "head_flash_us": flash_us}
+
+
 def print_e2e_table(rows: list[dict]) -> None:
     dense = statistics.median(r["tokens_per_s"] for r in rows if r["head"] == "dense")
+    dense_ms = statistics.median(r["median_step_ms"] for r in rows if r["head"] == "dense")
     print("| model | head | batch | decode tokens/s (median step, per run) | ratio vs dense |")
     print("|---|---|---|---|---|")
     for head in ("dense", "flashhead"):
         runs = [r["tokens_per_s"] for r in rows if r["head"] == head]
         print(f"| {rows[0]['model']} | {head} | 1 | {statistics.median(runs):.1f} "
               f"({', '.join(f'{t:.1f}' for t in runs)}) | {statistics.median(runs) / dense:.2f}x |")
+    flash = next(r for r in rows if r["head"] == "flashhead")
+    saved_ms = (flash["head_dense_us"] - flash["head_flash_us"]) / 1e3
+    print(f"Bound from bytes: a decode step reads {flash['step_weight_bytes_dense'] / 1e6:.0f} MB of weights "
+          f"with the dense head, of which the head {flash['dense_head_bytes'] / 1e6:.0f} MB; FlashHead reads "
+          f"{flash['flash_head_bytes'] / 1e6:.1f} MB instead, so even a step at the bandwidth floor gains at "
+          f"most {flash['bytes_bound']:.2f}x.")
+    print(f"Bound from the measured step: head alone {flash['head_dense_us']:.1f} us dense vs "
+          f"{flash['head_flash_us']:.1f} us FlashHead in the engine's head; removing that difference from "
+          f"the dense step ({dense_ms:.3f} ms) gives at most {dense_ms / (dense_ms - saved_ms):.2f}x.")
 
 
 def main() -> None:
@@ -249,7 +306,7 @@ def main() -> None:
             rows += bench_shape(name, [int(b) for b in args.batches.split(",")], args.probes, args.cluster_size,
                                 args.iterations, device, getattr(torch, args.dtype), graph, not args.no_sweep)
         print(f"\nFlashHead head-only latency on {device_name}, {args.dtype}, "
-              f"{'CUDA-graph replays' if graph else 'eager'}, median of 200")
+              f"{'CUDA-graph replays, each timed alone' if graph else 'eager'}, median of 200")
         print_head_table(rows)
     if args.json:
         with open(args.json, "w") as handle:

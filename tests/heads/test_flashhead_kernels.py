@@ -50,14 +50,21 @@ CHECK = textwrap.dedent("""
             keys = torch.randn(rows, 300, device=device)
             keys[0, 10:20] = 0.5                     # ties at the threshold: the lowest ids win
             keys[-1] = keys[-1].round()
-            for probes in (1, 7, 64, 300):
-                got = k.select_triton(keys, probes, num_warps=4)
-                for r in range(rows):
-                    g, kth = got[r], keys[r].topk(probes).values[-1]
-                    assert torch.equal(g, g.sort().values) and g.unique().numel() == probes
-                    assert bool((keys[r][g] >= kth).all())
-                    tied = (keys[r] == kth).nonzero().squeeze(1)
-                    assert torch.equal(g[keys[r][g] == kth], tied[:probes - int((keys[r] > kth).sum())])
+            crowded = (torch.randn(2, 9000 + 500 * seed, device=device) * 2).round() / 2  # buckets > 512 keys
+            for probes, batch in [(p, keys) for p in (1, 7, 64, 299)] + [(p, crowded) for p in (1, 700, 2999)]:
+                got = k.select_triton(batch, probes, num_warps=4)
+                for r in range(batch.shape[0]):
+                    g, kth = got[r].sort().values, batch[r].topk(probes).values[-1]   # order unspecified
+                    assert g.unique().numel() == probes
+                    assert bool((batch[r][g] >= kth).all())
+                    tied = (batch[r] == kth).nonzero().squeeze(1)
+                    assert torch.equal(g[batch[r][g] == kth], tied[:probes - int((batch[r] > kth).sum())])
+            # Stage 1 builds the select's first-digit histogram on the fly, equal to the standalone one.
+            histogram = k.selection_histogram(rows, device)
+            got = k.stage1_triton(h, cent, scale, noise, block_c=16, block_h=16, histogram=histogram)
+            assert torch.equal(histogram, k.histogram_triton(got))
+            picked = k.select_from_histogram_triton(got, histogram, 5).sort(dim=1).values
+            assert torch.equal(picked, got.topk(5, dim=1).indices.sort(dim=1).values)
             # Greedy stage 2 (fused argmax): equal to the argmax over stage 2's logits, ties (duplicate
             # rows) going to the lowest token id; the select kernel resets the accumulators first.
             w[1, 1] = w[2, 0]

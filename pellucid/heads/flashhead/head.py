@@ -128,8 +128,7 @@ class FlashHead(LMHead):
             clusters = self._all_clusters.expand(num_rows, -1)
         else:
             scale, noise = self._cluster_draw(num_rows, hidden.device, sampling)
-            keys = kernels.stage1(hidden, self.centroids, scale, noise)
-            clusters = kernels.select_top(keys, self.probes)
+            clusters = kernels.select_clusters(hidden, self.centroids, self.probes, scale, noise)
         logits, token_ids = kernels.stage2(hidden, self.cluster_weight, self.cluster_token_ids, clusters)
         return token_ids, logits
 

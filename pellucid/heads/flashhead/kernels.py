@@ -3,8 +3,9 @@
 Stage 1 scores every cluster: keys[r, c] = (hidden[r] . centroid[c]) * scale[r] + noise[r, c], where the
 head passes scale = 1 / temperature and Gumbel noise for sampled rows (no scale, no noise for greedy rows)
 so one top-p over the keys both ranks clusters (greedy) and draws them without replacement (sampling).
-Selection keeps the p largest keys per row with an exact radix select (four 8-bit histogram passes in one
-program per row). Stage 2 gathers the rows of the chosen clusters (stored contiguously per cluster,
+Selection keeps the p largest keys per row with an exact radix select: stage 1's many programs histogram
+each key's first 12 bits, then one program per row finds the bucket of the p-th largest key and resolves
+the few keys in it with 8-bit passes. Stage 2 gathers the rows of the chosen clusters (stored contiguously per cluster,
 [C, S, H]) and computes their exact logits; padding slots come back as -inf with token id -1. For greedy
 rows stage 2 instead reduces straight to the argmax token (`greedy_tokens`), so no logits are written.
 
@@ -69,10 +70,11 @@ if triton is not None:
         return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
     @triton.jit
-    def _stage1_kernel(hidden_ptr, centroid_ptr, scale_ptr, noise_ptr, out_ptr, best_ptr, count_ptr,
+    def _stage1_kernel(hidden_ptr, centroid_ptr, scale_ptr, noise_ptr, out_ptr, best_ptr, count_ptr, hist_ptr,
                        num_rows, num_clusters, hidden_size,
                        stride_hidden, stride_centroid, stride_noise, stride_out,
                        HAS_SCALE: tl.constexpr, HAS_NOISE: tl.constexpr, INIT_GREEDY: tl.constexpr,
+                       HISTOGRAM: tl.constexpr, DIGIT_SHIFT: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         pid_c = tl.program_id(0)
@@ -101,49 +103,138 @@ if triton is not None:
         if HAS_NOISE:
             keys += tl.load(noise_ptr + offs_r[:, None] * stride_noise + offs_c[None, :], mask=mask, other=0.0)
         tl.store(out_ptr + offs_r[:, None] * stride_out + offs_c[None, :], keys, mask=mask)
+        if HISTOGRAM:  # the first digit of the top-p selection, spread over all of stage 1's programs
+            _accumulate_histogram(hist_ptr, offs_r, keys, mask, DIGIT_SHIFT)
         if INIT_GREEDY:  # reset the rows' argmax accumulators for the greedy stage 2 later on this stream
             first = mask_r & ((offs_r * 0 + pid_c) == 0)   # only the first cluster block writes
             tl.store(best_ptr + offs_r, tl.full((BLOCK_R,), -9223372036854775807 - 1, tl.int64), mask=first)
             tl.store(count_ptr + offs_r, tl.zeros((BLOCK_R,), dtype=tl.int32), mask=first)
 
     @triton.jit
-    def _select_kernel(keys_ptr, out_ptr, num_clusters, stride_keys, stride_out,
-                       PROBES: tl.constexpr, BLOCK: tl.constexpr):
-        """Indices of the PROBES largest keys of one row (ties: lowest index first), in index order.
+    def _ordered_uint32(x):
+        """float32 -> int32 bits whose *unsigned* order is the float order (sign bit flipped)."""
+        return _ordered_int32(x) ^ (-2147483648)
 
-        Exact radix select: the keys as order-preserving 32-bit patterns, four passes of one 256-bin
-        histogram each over the lanes still matching the digits found so far; each pass fixes the next 8
-        bits of the PROBES-th largest key. Then one scan places the keys above it and the first ties.
+    @triton.jit
+    def _accumulate_histogram(hist_ptr, offs_r, keys, mask, DIGIT_SHIFT: tl.constexpr):
+        """Adds each key's top bits (DIGIT_SHIFT..31 of its ordered pattern) to its row's histogram."""
+        digit = (_ordered_uint32(keys) >> DIGIT_SHIFT) & ((1 << (32 - DIGIT_SHIFT)) - 1)
+        tl.atomic_add(hist_ptr + offs_r[:, None] * (1 << (32 - DIGIT_SHIFT)) + digit, 1, mask=mask, sem="relaxed")
+
+    @triton.jit
+    def _histogram_kernel(keys_ptr, hist_ptr, num_rows, num_clusters, stride_keys,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, DIGIT_SHIFT: tl.constexpr):
+        offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (offs_r < num_rows)[:, None] & (offs_c < num_clusters)[None, :]
+        keys = tl.load(keys_ptr + offs_r[:, None] * stride_keys + offs_c[None, :], mask=mask, other=0.0)
+        _accumulate_histogram(hist_ptr, offs_r, keys, mask, DIGIT_SHIFT)
+
+    @triton.jit
+    def _radix_step(hist, need, prefix, shift: tl.constexpr):
+        """One radix digit of the need-th largest key: from the 256-bin histogram of digit `shift` over the
+        keys still matching `prefix`, the digit's bucket joins the prefix and `need` drops by the keys
+        in higher buckets (all of which are taken)."""
+        bins = tl.arange(0, 256)
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        bucket = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
+        need -= tl.sum(tl.where(bins > bucket, hist, 0), axis=0)
+        return need, prefix | (bucket << shift)
+
+    @triton.jit
+    def _place_above_and_ties(out_row_ptr, ids, above, tied, need, above_before, tied_before):
+        """Writes the ids of the `above` lanes and of the first `need` `tied` lanes (counting the
+        `tied_before` ties of earlier chunks) after `above_before` earlier picks; returns the counts."""
+        # One scan for both running counts: picks above in the low 16 bits, ties in the high bits.
+        counts = tl.cumsum(above.to(tl.int32) + (tied.to(tl.int32) << 16), axis=0)
+        tied_rank = tied_before + (counts >> 16)
+        chosen = above | (tied & (tied_rank <= need))
+        position = above_before + (counts & 0xFFFF) + tl.minimum(tied_rank, need) - 1
+        tl.store(out_row_ptr + position, ids.to(tl.int64), mask=chosen)
+        return above_before + tl.sum(above.to(tl.int32), axis=0), tied_before + tl.sum(tied.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _select_from_histogram_kernel(keys_ptr, hist_ptr, scratch_ptr, out_ptr, num_clusters, stride_keys,
+                                      stride_out, PROBES: tl.constexpr, CHUNK: tl.constexpr,
+                                      SMALL: tl.constexpr, DIGIT_SHIFT: tl.constexpr):
+        """Indices of the PROBES largest keys of one row (ties: lowest index first), order unspecified.
+
+        Exact radix select on order-preserving 32-bit patterns of the keys. The top 32 - DIGIT_SHIFT bits
+        were histogrammed by the many programs of stage 1, so this program starts from the bucket holding
+        the PROBES-th largest key. Usual case, one pass over the row: keys in higher buckets go straight
+        to the output, the bucket's keys and ids (at most SMALL) to scratch, where the remaining 8-bit
+        passes find the threshold among them. A crowded bucket takes the passes over the whole row and
+        then a scan that places the keys above the threshold and the first ties.
         """
         row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        valid = offs < num_clusters
-        key = _ordered_int32(tl.load(keys_ptr + row * stride_keys + offs, mask=valid, other=0.0))
-        ukey = key ^ (-2147483648)  # sign bit flipped: unsigned bit order == key order
-        bins = tl.arange(0, 256)
-        need = tl.full((), PROBES, tl.int32)     # how many keys equal to the prefix still to take
-        prefix = tl.full((), 0, tl.int32)        # the digits of the PROBES-th largest found so far
-        for step in tl.static_range(4):
-            shift = 24 - 8 * step   # a compile-time value: static_range unrolls the loop
-            digit = (ukey >> shift) & 255
-            if step == 0:
-                active = valid
-            else:
-                active = valid & (((ukey ^ prefix) >> (shift + 8)) == 0)
-            hist = tl.histogram(digit, 256, mask=active)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            bucket = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins > bucket, hist, 0), axis=0)
-            prefix = prefix | (bucket << shift)
-        threshold = prefix ^ (-2147483648)
-        above = valid & (key > threshold)
-        tied = valid & (key == threshold)
-        # One scan for both running counts: keys above in the low 16 bits, ties in the high bits.
-        counts = tl.cumsum(above.to(tl.int32) + (tied.to(tl.int32) << 16), axis=0)
-        tied_rank = counts >> 16
-        chosen = above | (tied & (tied_rank <= need))
-        position = (counts & 0xFFFF) + tl.minimum(tied_rank, need) - 1
-        tl.store(out_ptr + row * stride_out + position, offs.to(tl.int64), mask=chosen)
+        NUM_BINS: tl.constexpr = 1 << (32 - DIGIT_SHIFT)
+        PASSES: tl.constexpr = (DIGIT_SHIFT + 7) // 8   # 8-bit digits below the histogrammed ones
+        bins = tl.arange(0, NUM_BINS)
+        hist = tl.load(hist_ptr + row * NUM_BINS + bins)
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        bucket = tl.max(tl.where(at_or_above >= PROBES, bins, 0), axis=0)
+        need = PROBES - tl.sum(tl.where(bins > bucket, hist, 0), axis=0)   # taken from the bucket, >= 1
+        in_bucket = tl.sum(tl.where(bins == bucket, hist, 0), axis=0)
+        prefix = bucket << DIGIT_SHIFT
+        keys_row = keys_ptr + row * stride_keys
+        out_row = out_ptr + row * stride_out
+        lanes = tl.arange(0, CHUNK)
+        if in_bucket <= SMALL:
+            scratch_keys = scratch_ptr + row * 2 * SMALL
+            scratch_ids = scratch_keys + SMALL
+            above_seen = tl.full((), 0, tl.int32)
+            copied = tl.full((), 0, tl.int32)
+            for copy_start in range(0, num_clusters, CHUNK):
+                copy_offs = copy_start + lanes
+                copy_key = _ordered_uint32(tl.load(keys_row + copy_offs, mask=copy_offs < num_clusters, other=0.0))
+                digit = (copy_key >> DIGIT_SHIFT) & (NUM_BINS - 1)
+                higher = (copy_offs < num_clusters) & (digit > bucket)
+                mine = (copy_offs < num_clusters) & (digit == bucket)
+                # One scan for both running counts: higher keys in the low 16 bits, the bucket's in the high.
+                counts = tl.cumsum(higher.to(tl.int32) + (mine.to(tl.int32) << 16), axis=0)
+                tl.store(out_row + above_seen + (counts & 0xFFFF) - 1, copy_offs.to(tl.int64), mask=higher)
+                slot = copied + (counts >> 16) - 1
+                tl.store(scratch_keys + slot, copy_key, mask=mine)
+                tl.store(scratch_ids + slot, copy_offs, mask=mine)
+                above_seen += tl.sum(higher.to(tl.int32), axis=0)
+                copied += tl.sum(mine.to(tl.int32), axis=0)
+            tl.debug_barrier()   # the scratch written above is read back by other threads of this program
+            small = tl.arange(0, SMALL)
+            present = small < in_bucket
+            small_key = tl.load(scratch_keys + small, mask=present, other=0)
+            for small_step in tl.static_range(PASSES):
+                small_shift = 8 * (PASSES - 1 - small_step)
+                small_match = present & (((small_key ^ prefix) >> (small_shift + 8)) == 0)
+                need, prefix = _radix_step(tl.histogram((small_key >> small_shift) & 255, 256, mask=small_match),
+                                           need, prefix, small_shift)
+            # back to signed order for the compares; scratch holds the bucket in index order, so the
+            # first ties are the lowest ids
+            signed_key = small_key ^ (-2147483648)
+            threshold = prefix ^ (-2147483648)
+            _place_above_and_ties(out_row, tl.load(scratch_ids + small, mask=present, other=0),
+                                  present & (signed_key > threshold), present & (signed_key == threshold), need,
+                                  above_seen, tl.full((), 0, tl.int32))
+        else:  # a crowded bucket (e.g. many equal keys): the same passes over the whole row, then a scan
+            for row_step in tl.static_range(PASSES):
+                row_shift = 8 * (PASSES - 1 - row_step)
+                row_hist = tl.zeros((256,), dtype=tl.int32)
+                for row_start in range(0, num_clusters, CHUNK):
+                    row_offs = row_start + lanes
+                    row_key = _ordered_uint32(tl.load(keys_row + row_offs, mask=row_offs < num_clusters, other=0.0))
+                    # the bucket's bits (DIGIT_SHIFT up) and the digits found so far (shift + 8 up)
+                    row_match = ((row_offs < num_clusters) & (((row_key ^ prefix) >> DIGIT_SHIFT) == 0)
+                                 & (((row_key ^ prefix) >> (row_shift + 8)) == 0))
+                    row_hist += tl.histogram((row_key >> row_shift) & 255, 256, mask=row_match)
+                need, prefix = _radix_step(row_hist, need, prefix, row_shift)
+            row_threshold = prefix ^ (-2147483648)
+            placed = tl.full((), 0, tl.int32)
+            tied_seen = tl.full((), 0, tl.int32)
+            for start in range(0, num_clusters, CHUNK):
+                offs = start + lanes
+                valid = offs < num_clusters
+                key = _ordered_int32(tl.load(keys_row + offs, mask=valid, other=0.0))
+                placed, tied_seen = _place_above_and_ties(out_row, offs, valid & (key > row_threshold),
+                                                          valid & (key == row_threshold), need, placed, tied_seen)
 
     @triton.jit
     def _stage2_tile(hidden_ptr, weight_ptr, ids_ptr, clusters_ptr, row, pid_p, num_probes, hidden_size,
@@ -216,11 +307,28 @@ def _require_triton() -> None:
         raise RuntimeError("the FlashHead Triton kernels need the `triton` package (pip install triton)")
 
 
+# The top-p selection's first digit: the top 12 bits of a key's ordered pattern (sign, exponent, three
+# mantissa bits: eight buckets per octave), histogrammed by stage 1's programs. The bucket of the p-th
+# largest key then holds ~100 keys for p = 256 of ~10k (random or Gumbel-noised scores), few enough for
+# one program to finish the select on a copy of them.
+DIGIT_SHIFT = 20
+NUM_BINS = 1 << (32 - DIGIT_SHIFT)
+SELECT_SMALL = 512    # the bucket copied to scratch when it holds at most this many keys
+SELECT_CHUNK = 8192   # keys per loop step of the select program (32 per thread at 8 warps)
+
+
+def selection_histogram(rows: int, device: torch.device) -> torch.Tensor:
+    """Zeroed per-row digit histogram [rows, NUM_BINS] int32 for `stage1_triton(histogram=...)`."""
+    return torch.zeros(rows, NUM_BINS, dtype=torch.int32, device=device)
+
+
 def stage1_triton(hidden: torch.Tensor, centroids: torch.Tensor, scale: torch.Tensor | None,
                   noise: torch.Tensor | None, block_c: int = 32, block_h: int = 256,
                   num_warps: int = 4, num_stages: int = 3,
-                  state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Keys [R, C] float32; with `state` (from `greedy_state`) also resets it for the greedy stage 2."""
+                  state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  histogram: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys [R, C] float32; with `state` (from `greedy_state`) also resets it for the greedy stage 2; with
+    `histogram` (zeroed, from `selection_histogram`) also counts the keys' first digits for the select."""
     _require_triton()
     hidden, centroids = hidden.contiguous(), centroids.contiguous()
     rows, hidden_size = hidden.shape
@@ -234,10 +342,12 @@ def stage1_triton(hidden: torch.Tensor, centroids: torch.Tensor, scale: torch.Te
     best, count = state if state is not None else (out, out)
     grid = (triton.cdiv(num_clusters, block_c), triton.cdiv(rows, block_r))
     _stage1_kernel[grid](hidden, centroids, scale_arg, noise_arg, out, best, count,
+                         histogram if histogram is not None else out,
                          rows, num_clusters, hidden_size,
                          hidden.stride(0), centroids.stride(0), noise_arg.stride(0), out.stride(0),
                          HAS_SCALE=scale is not None, HAS_NOISE=noise is not None,
-                         INIT_GREEDY=state is not None, BLOCK_R=block_r,
+                         INIT_GREEDY=state is not None, HISTOGRAM=histogram is not None,
+                         DIGIT_SHIFT=DIGIT_SHIFT, BLOCK_R=block_r,
                          BLOCK_C=block_c, BLOCK_H=block_h, PRECISION=precision, UPCAST=_interpreting(),
                          num_warps=num_warps, num_stages=num_stages)
     return out
@@ -277,12 +387,9 @@ def stage2_triton(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_to
     return logits, token_ids
 
 
-MAX_SELECT_BLOCK = 16384  # one program holds a whole row of keys in registers
-
-
 def greedy_state(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row argmax accumulators for `stage2_greedy_triton`: (packed best int64, finished programs int32).
-    Values are set on the device by the select kernel (or `reset_greedy_state`), never read on the host."""
+    Values are set on the device by stage 1 (or `reset_greedy_state`), never read on the host."""
     return (torch.empty(rows, dtype=torch.int64, device=device), torch.empty(rows, dtype=torch.int32, device=device))
 
 
@@ -291,18 +398,40 @@ def reset_greedy_state(best: torch.Tensor, count: torch.Tensor) -> None:
     count.zero_()
 
 
-def select_triton(keys: torch.Tensor, probes: int, num_warps: int = 16) -> torch.Tensor:
-    """Cluster ids [R, probes] of the largest keys per row, in ascending id order (same set as topk)."""
+def histogram_triton(keys: torch.Tensor, block_c: int = 256) -> torch.Tensor:
+    """The first-digit histogram of precomputed keys (stage 1 builds it on the fly when asked to)."""
     _require_triton()
     keys = keys.contiguous()
     rows, num_clusters = keys.shape
-    block = max(triton.next_power_of_2(num_clusters), 256)
-    if block > MAX_SELECT_BLOCK:
-        raise ValueError(f"select_triton handles up to {MAX_SELECT_BLOCK} clusters, got {num_clusters}")
+    hist = selection_histogram(rows, keys.device)
+    block_r = 4
+    grid = (triton.cdiv(num_clusters, block_c), triton.cdiv(rows, block_r))
+    _histogram_kernel[grid](keys, hist, rows, num_clusters, keys.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
+                            DIGIT_SHIFT=DIGIT_SHIFT)
+    return hist
+
+
+def select_from_histogram_triton(keys: torch.Tensor, histogram: torch.Tensor, probes: int,
+                                 num_warps: int = 8, chunk: int = SELECT_CHUNK) -> torch.Tensor:
+    """Cluster ids [R, probes] of the largest keys per row, order unspecified (the same set as topk, ties
+    to the lowest ids); `histogram` must count exactly these keys (stage 1 or `histogram_triton`)."""
+    _require_triton()
+    keys = keys.contiguous()
+    rows, num_clusters = keys.shape
+    if not 1 <= probes < num_clusters:
+        raise ValueError(f"select needs 1 <= probes < clusters, got {probes} of {num_clusters}")
+    chunk = min(chunk, max(triton.next_power_of_2(num_clusters), 16))
     out = torch.empty(rows, probes, dtype=torch.int64, device=keys.device)
-    _select_kernel[(rows,)](keys, out, num_clusters, keys.stride(0), out.stride(0),
-                            PROBES=probes, BLOCK=block, num_warps=num_warps)
+    scratch = torch.empty(rows, 2, SELECT_SMALL, dtype=torch.int32, device=keys.device)
+    _select_from_histogram_kernel[(rows,)](keys, histogram, scratch, out, num_clusters, keys.stride(0),
+                                           out.stride(0), PROBES=probes, CHUNK=chunk, SMALL=SELECT_SMALL,
+                                           DIGIT_SHIFT=DIGIT_SHIFT, num_warps=num_warps)
     return out
+
+
+def select_triton(keys: torch.Tensor, probes: int, num_warps: int = 8) -> torch.Tensor:
+    """Cluster ids [R, probes] of the largest keys per row, order unspecified (two launches)."""
+    return select_from_histogram_triton(keys, histogram_triton(keys), probes, num_warps)
 
 
 def stage2_greedy_triton(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_token_ids: torch.Tensor,
@@ -326,14 +455,9 @@ def stage2_greedy_triton(hidden: torch.Tensor, cluster_weight: torch.Tensor, clu
     return tokens
 
 
-# The one-program radix select beats torch.topk up to 8192 clusters but not at 16384 lanes (H100,
-# 2026-11-23, p = 256: 26 vs 41 us for C = 8016; 54 vs 41 us for C = 9496), where torch.topk is used.
-FAST_SELECT_BLOCK = 8192
-
-
 def select_top(keys: torch.Tensor, probes: int) -> torch.Tensor:
     """The `probes` highest-scoring cluster ids per row (order unspecified)."""
-    if use_triton(keys) and max(triton.next_power_of_2(keys.shape[1]), 256) <= FAST_SELECT_BLOCK:
+    if use_triton(keys):
         return select_triton(keys, probes)
     return keys.topk(probes, dim=1, sorted=False).indices
 
@@ -345,6 +469,18 @@ def stage1(hidden: torch.Tensor, centroids: torch.Tensor, scale: torch.Tensor | 
     return stage1_torch(hidden, centroids, scale, noise)
 
 
+def select_clusters(hidden: torch.Tensor, centroids: torch.Tensor, probes: int, scale: torch.Tensor | None,
+                    noise: torch.Tensor | None,
+                    state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Stage 1 and the top-p select: cluster ids [R, probes] with the largest keys (order unspecified). On
+    CUDA two launches (stage 1 also histograms the keys' first digit, and resets `state` when given)."""
+    if not use_triton(hidden):
+        return stage1_torch(hidden, centroids, scale, noise).topk(probes, dim=1, sorted=False).indices
+    histogram = selection_histogram(hidden.shape[0], hidden.device)
+    keys = stage1_triton(hidden, centroids, scale, noise, state=state, histogram=histogram)
+    return select_from_histogram_triton(keys, histogram, probes)
+
+
 def stage2(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_token_ids: torch.Tensor,
            clusters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(hidden):
@@ -354,9 +490,9 @@ def stage2(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_token_ids
 
 def greedy_tokens(hidden: torch.Tensor, centroids: torch.Tensor, cluster_weight: torch.Tensor,
                   cluster_token_ids: torch.Tensor, probes: int, all_clusters: torch.Tensor) -> torch.Tensor:
-    """The argmax token per row among the `probes` best-scoring clusters (three launches on CUDA:
-    stage 1 (which also resets the argmax accumulators), select, stage 2 fused with the argmax).
-    `all_clusters` [1, C] is used when probes == C."""
+    """The argmax token per row among the `probes` best-scoring clusters. On CUDA: zero the select
+    histogram, stage 1 (which also fills it and resets the argmax accumulators), select, stage 2 fused
+    with the argmax. `all_clusters` [1, C] is used when probes == C."""
     rows = hidden.shape[0]
     num_clusters = centroids.shape[0]
     if not use_triton(hidden):
@@ -370,5 +506,5 @@ def greedy_tokens(hidden: torch.Tensor, centroids: torch.Tensor, cluster_weight:
         reset_greedy_state(*state)
         clusters = all_clusters.expand(rows, -1)
     else:
-        clusters = select_top(stage1_triton(hidden, centroids, None, None, state=state), probes)
+        clusters = select_clusters(hidden, centroids, probes, None, None, state=state)
     return stage2_greedy_triton(hidden, cluster_weight, cluster_token_ids, clusters, state)
