@@ -5,6 +5,12 @@ of the same prompts, measured in the same run.
     python benchmarks/extraction_bench.py --model Llama-3.1-8B --min-len 1024 --max-len 2048 \\
         --num-prompts 96 --out-root /tmp                                      # GPU: the issue's target shape
 
+--profile adds one instrumented run per place (time in engine steps, saves finalize, staging, the writer
+threads' writes and fsyncs, the tail after the last step) and --probe the raw speeds those stages are
+bounded by (CPU stack, GPU stack + D2H into pinned / pageable memory, file writes with fsync on 1 and 4
+threads). Put --model-cache on tmpfs (e.g. /dev/shm/models) when timing disk writes: a freshly built
+16 GB checkpoint's writeback otherwise competes with the measured files.
+
 Plain prefill = `llm.generate(prompts, max_tokens=1)` with prefix caching off (so repeats recompute).
 Extraction = `llm.extract_hidden_states(...)` into a fresh directory, timed until every file is written,
 fsynced and listed in the manifest. Both count prompt tokens per second; the table gives the median of
@@ -17,7 +23,10 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -55,6 +64,11 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="after the table, time where an extraction run spends its time (engine steps, saves "
+                         "finalize, staging, writer stages)")
+    ap.add_argument("--probe", action="store_true",
+                    help="also measure the raw speeds the stages are bounded by (D2H copy, file writes)")
     ap.add_argument("--out-root", default=tempfile.gettempdir(),
                     help="where the output directories go; comma-separated for one extraction row per place "
                          "(e.g. /tmp,/dev/shm separates the disk from the rest)")
@@ -124,6 +138,148 @@ def main() -> None:
         ext = statistics.median(results[root])
         print(f"| same prompts | extraction, {len(layers)} layers, files written to {root} | {ext:,.0f} | "
               f"{ext / base:.2f} |")
+    if args.profile:
+        profile(prefill, extract, roots)
+    if args.probe:
+        probe_speeds(llm, prompts, layers, roots)
+
+
+# ---- --profile: where an extraction run's time goes ------------------------------------------------
+class _Timers:
+    """Wall time per named stage, summed over threads (the writer thread's stages overlap the engine's)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list[float]] = {}
+        self.lock = threading.Lock()
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                with self.lock:
+                    entry = self.totals.setdefault(name, [0.0, 0])
+                    entry[0] += time.perf_counter() - start
+                    entry[1] += 1
+        return timed
+
+    def report(self, title: str, elapsed: float) -> None:
+        print(f"  {title}: {elapsed * 1e3:.0f} ms wall")
+        for name, (total, count) in self.totals.items():
+            print(f"    {name:<58} {total * 1e3:9.1f} ms  x{count}")
+        self.totals.clear()
+
+
+def profile(prefill: Any, extract: Any, roots: list[str]) -> None:
+    """Instrument (in this process only) the stages of an extraction run and time them."""
+    import pellucid.engine.engine_core as core_module
+    import pellucid.extraction.staging as staging_module
+    import pellucid.extraction.writer as writer_module
+    from pellucid.engine.engine_core import EngineCore
+
+    timers = _Timers()
+    patches = [(core_module, "finish_traced_requests", "finalize saves (gather, D2H, stream sync)"),
+               (EngineCore, "step", "engine.step (main thread, includes finalize)"),
+               (writer_module.DatasetWriter, "add", "writer.add (main thread, includes waiting for room)"),
+               (staging_module.HostStager, "stage", "stage: queue GPU stack + D2H (main thread)"),
+               (writer_module.SampleRecord, "stacked_hidden_states", "wait for the D2H copy / stack (writer threads)"),
+               (writer_module, "safetensors_parts", "safetensors header + views (writer thread)"),
+               (writer_module.DatasetWriter, "close", "writer.close (tail after the last step)"),
+               (os, "write", "os.write (writer threads)"), (os, "fsync", "os.fsync (file, dir, manifest)"),
+               (os, "replace", "os.replace (rename)")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, label in patches:
+        setattr(owner, name, timers.wrap(label, getattr(owner, name)))
+    try:
+        print("\n--profile: one run each, stages summed (writer-thread stages overlap engine.step)")
+        start = time.perf_counter()
+        rate = prefill()
+        timers.report(f"plain prefill ({rate:,.0f} tok/s)", time.perf_counter() - start)
+        for root in roots:
+            start = time.perf_counter()
+            rate = extract(root)
+            timers.report(f"extraction to {root} ({rate:,.0f} tok/s)", time.perf_counter() - start)
+        real_atomic_write = writer_module.atomic_write
+        writer_module.atomic_write = lambda path, data, **kwargs: None     # everything but the file I/O
+        try:
+            start = time.perf_counter()
+            rate = extract(roots[0])
+            timers.report(f"extraction, file writes skipped ({rate:,.0f} tok/s)", time.perf_counter() - start)
+        finally:
+            writer_module.atomic_write = real_atomic_write
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+
+
+def probe_speeds(llm: LLM, prompts: list[list[int]], layers: list[int], roots: list[str]) -> None:
+    engine = llm.engine
+    hidden, dtype = engine.hf_config.hidden_size, engine.dtype
+    lengths = [len(p) for p in prompts]
+    sample_bytes = [n * len(layers) * hidden * torch.empty((), dtype=dtype).element_size() for n in lengths]
+    total_gb = sum(sample_bytes) / 1e9
+    print(f"\nraw speeds, {len(lengths)} samples, {total_gb:.2f} GB (one sample ~{sample_bytes[0] / 1e6:.0f} MB)")
+    t = lengths[0]
+    cols = [torch.randn(t, hidden).to(dtype) for _ in layers]
+    best = min(_seconds(lambda: torch.stack(cols, dim=1)) for _ in range(5))
+    print(f"  torch.stack on CPU, one sample: {best * 1e3:.1f} ms ({sample_bytes[0] / best / 1e9:.1f} GB/s)")
+    if engine.device.type == "cuda":
+        dev = [c.to(engine.device) for c in cols]
+        pinned = torch.empty((t, len(layers), hidden), dtype=dtype, pin_memory=True)
+        pageable = torch.empty((t, len(layers), hidden), dtype=dtype)
+
+        def d2h(out: torch.Tensor) -> None:
+            out.copy_(torch.stack(dev, dim=1), non_blocking=out.is_pinned())
+            torch.cuda.synchronize()
+        for name, out in (("pinned", pinned), ("pageable", pageable)):
+            d2h(out)
+            best = min(_seconds(lambda: d2h(out)) for _ in range(5))
+            print(f"  GPU stack + D2H into {name} memory, one sample: {best * 1e3:.2f} ms "
+                  f"({sample_bytes[0] / best / 1e9:.1f} GB/s)")
+        start = time.perf_counter()
+        fresh = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sample_bytes[:8]]
+        print(f"  fresh pinned allocations, 8 samples: {(time.perf_counter() - start) * 1e3:.1f} ms")
+        del fresh
+    payload = [memoryview(torch.randint(0, 255, (n,), dtype=torch.uint8).numpy()) for n in sample_bytes]
+    for root in roots:
+        for threads, sync in ((1, True), (4, True)) if root == roots[0] else ((1, True),):
+            out = tempfile.mkdtemp(prefix="extraction-probe-", dir=root)
+            try:
+                start = time.perf_counter()
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(lambda a: _write_file(os.path.join(out, f"f{a[0]}"), a[1], sync),
+                                  enumerate(payload)))
+                elapsed = time.perf_counter() - start
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+            print(f"  write files to {root}, {threads} thread(s), fsync {'on' if sync else 'off'}: "
+                  f"{elapsed * 1e3:.0f} ms ({total_gb / elapsed:.2f} GB/s)")
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[:3] for line in f]
+        for root in roots:
+            best = max((m for m in mounts if root.startswith(m[1])), key=lambda m: len(m[1]), default=None)
+            print(f"  {root}: mounted from {best}")
+    except OSError:
+        pass
+
+
+def _seconds(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _write_file(path: str, data: memoryview, sync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from pellucid.extraction.samples import RawSample, Sample, iter_raw_samples, tokenize_sample
 from pellucid.extraction.spec import ExtractionSpec
+from pellucid.extraction.staging import HostStager
 from pellucid.extraction.writer import DatasetWriter, ExtractionError, SampleRecord, model_fingerprint
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
@@ -102,6 +103,9 @@ class ExtractionJob:
         self.num_samples = 0
         self.num_tokens = 0
         self._count_lock = threading.Lock()
+        # Saves stay on the GPU; the stager copies each finished sample to pinned host memory on a side
+        # stream and the writer threads wait for it, so the step loop never waits on the copy.
+        self._stager = HostStager()
 
     # ---- feeding the engine ---------------------------------------------------------------------
     def next_work(self) -> EngineWork | None:
@@ -128,7 +132,7 @@ class ExtractionJob:
             return None
         generating = self.generate is not None
         work = EngineWork(f"{self._prefix}-{next(self._ids)}", sample.token_ids, params,
-                          None if generating else self.spec.extras())
+                          None if generating else self._extras())
         self.in_flight[work.request_id] = _InFlight(sample, generating, len(sample.token_ids))
         return work
 
@@ -147,6 +151,10 @@ class ExtractionJob:
                              f"max_model_len={limit} (prompt + response must be < {limit})")
         asked = self.generate.max_tokens
         return dataclasses.replace(self.generate, max_tokens=room if asked is None else min(asked, room))
+
+    def _extras(self) -> dict[str, Any]:
+        # A fresh dict per request: the engine binds the request's own plan into it.
+        return self.spec.extras(keep_on_device=True)
 
     def rejected(self, work: EngineWork, reason: str) -> None:
         """The engine refused a request (ValueError on add)."""
@@ -177,13 +185,13 @@ class ExtractionJob:
                                       f"({output.outputs[0].finish_reason})")
             mask = (sample.loss_mask if sample.loss_mask is not None else [0] * len(sample.token_ids)) + [1] * len(response)
             full = Sample(sample.sample_id, sample.token_ids + response, mask, sample.is_chat)
-            work = EngineWork(f"{self._prefix}-{next(self._ids)}", full.token_ids, _EXTRACT_PARAMS, self.spec.extras())
+            work = EngineWork(f"{self._prefix}-{next(self._ids)}", full.token_ids, _EXTRACT_PARAMS, self._extras())
             # The extraction request's engine prompt is prompt + response; the sample keeps the real prompt length.
             self.in_flight[work.request_id] = _InFlight(full, False, entry.prompt_length)
             return work
         prompt_length = entry.prompt_length
         num_tokens = len(sample.token_ids)
-        hidden = self.spec.layer_columns(output, num_tokens)     # stacked on the writer thread
+        hidden = self._stager.stage(self.spec.layer_columns(output, num_tokens))
         mask = torch.tensor(sample.loss_mask, dtype=torch.bool) if sample.loss_mask is not None else None
         return SampleRecord(sample.sample_id, torch.tensor(sample.token_ids, dtype=torch.int64), hidden,
                             prompt_length, mask)

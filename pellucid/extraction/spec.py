@@ -54,14 +54,17 @@ class ExtractionSpec:
     def sites(self) -> list[str]:
         return [_site(layer) for layer in self.layers]
 
-    def trace_plan(self) -> TracePlan:
+    def trace_plan(self, keep_on_device: bool = False) -> TracePlan:
         """Save ops at every position of the request (phase all): a traced request never reads the
-        prefix cache, and saves are stored per position, so chunking and preemption cannot lose rows."""
-        return TracePlan([Save(site=_site(layer), name=_save_name(layer)) for layer in self.layers])
+        prefix cache, and saves are stored per position, so chunking and preemption cannot lose rows.
+        `keep_on_device`: the finished request's saves stay on the GPU (the job copies them to the host
+        itself, off the step loop: staging.py)."""
+        return TracePlan([Save(site=_site(layer), name=_save_name(layer)) for layer in self.layers],
+                         keep_saves_on_device=keep_on_device)
 
-    def extras(self) -> dict[str, Any]:
+    def extras(self, keep_on_device: bool = False) -> dict[str, Any]:
         """Engine request extras that make a request carry this extraction."""
-        return {TRACE_KEY: self.trace_plan()}
+        return {TRACE_KEY: self.trace_plan(keep_on_device)}
 
     def hidden_states(self, output: Any, num_tokens: int) -> torch.Tensor:
         """`[num_tokens, num_layers, hidden]` in the model dtype from a finished request's saves.

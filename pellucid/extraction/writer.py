@@ -13,7 +13,9 @@ dtype and the sample ids of the file.
 
 Crash safety: a file is written under a hidden temporary name in the same directory, flushed, fsynced
 and renamed into place (readers never see a partial file); only then are its manifest lines appended
-and fsynced. A restarted job trusts the manifest alone: it drops a torn last line, deletes data files
+and fsynced. Several writer threads write files at once (one fsync waiting on the disk does not hold
+up the next file); the manifest lines of files renamed meanwhile are committed together (one
+directory fsync and one manifest fsync for the group), so manifest order is completion order. A restarted job trusts the manifest alone: it drops a torn last line, deletes data files
 the manifest does not reference (written by a job killed before its manifest lines) and temporary
 files, and skips the samples listed. One job at a time may write a directory (an advisory lock).
 """
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pellucid.extraction.staging import StagedStates
 from pellucid.logger import get_logger
 
 logger = get_logger(__name__)
@@ -53,9 +57,9 @@ class ExtractionError(RuntimeError):
 class SampleRecord:
     sample_id: str
     input_ids: torch.Tensor              # [T] int64
-    # [T, num_layers, hidden] in the model dtype, or its per-layer [T, hidden] columns: the stacking copy
-    # then happens in tensors(), on the writer thread, off the engine's loop.
-    hidden_states: torch.Tensor | list[torch.Tensor]
+    # [T, num_layers, hidden] in the model dtype, or its per-layer [T, hidden] columns (stacked in
+    # tensors(), on a writer thread), or either of them still being copied from the GPU (staging.py).
+    hidden_states: torch.Tensor | list[torch.Tensor] | StagedStates
     prompt_length: int
     loss_mask: torch.Tensor | None = None    # [T] bool
 
@@ -64,9 +68,13 @@ class SampleRecord:
         return int(self.input_ids.shape[0])
 
     def stacked_hidden_states(self) -> torch.Tensor:
-        if isinstance(self.hidden_states, list):
-            return torch.stack(self.hidden_states, dim=1)
-        return self.hidden_states.contiguous()
+        states = self.hidden_states
+        if isinstance(states, StagedStates):
+            states.wait()
+            states = states.hidden_states
+        if isinstance(states, list):
+            return torch.stack(states, dim=1)
+        return states.contiguous()
 
     def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
         out = {f"{prefix}hidden_states": self.stacked_hidden_states(),
@@ -116,10 +124,10 @@ def safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     return [len(encoded).to_bytes(8, "little") + encoded, *parts]
 
 
-def atomic_write(path: str, data: bytes | list[Any]) -> None:
+def atomic_write(path: str, data: bytes | list[Any], sync_directory: bool = True) -> None:
     """Write `data` (bytes, or buffers written in order) to `path` so that `path` is either absent/old or
-    complete: temporary name in the same directory, write, fsync, rename, fsync the directory. Removes
-    the temporary on failure."""
+    complete: temporary name in the same directory, write, fsync, rename, fsync the directory (unless
+    the caller does that itself for several files at once). Removes the temporary on failure."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.{os.getpid()}{_TMP_SUFFIX}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -140,7 +148,8 @@ def atomic_write(path: str, data: bytes | list[Any]) -> None:
         except OSError:
             pass
         raise
-    _fsync_dir(directory)
+    if sync_directory:
+        _fsync_dir(directory)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -167,17 +176,19 @@ def read_manifest(output_dir: str) -> list[dict[str, Any]]:
 
 
 class DatasetWriter:
-    """Writes SampleRecords to `output_dir`, `shard_size` per file, on a background thread.
+    """Writes SampleRecords to `output_dir`, `shard_size` per file, on `num_threads` background threads.
 
-    `add` buffers records into shards and hands full shards to the writer thread; `close` writes the
-    last partial shard and waits. An I/O failure on the thread is raised (as ExtractionError) by the
-    next `add` or by `close`; nothing written before it is affected.
+    `add` buffers records into shards and hands full shards to the writer threads; `close` writes the
+    last partial shard and waits. An I/O failure on a thread is raised (as ExtractionError) by the
+    next `add` or by `close`; nothing written before it is affected, and no file is started after it.
     """
 
     def __init__(self, output_dir: str, job_info: dict[str, Any], shard_size: int = 1,
-                 background: bool = True) -> None:
+                 background: bool = True, num_threads: int = 4) -> None:
         if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1:
             raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
+        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+            raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
         self.output_dir = os.path.abspath(output_dir)
         # JSON round trip: the settings compared on resume must look exactly as they do when read back.
         self.job_info = json.loads(json.dumps({"format": FORMAT, **job_info}))
@@ -191,14 +202,21 @@ class DatasetWriter:
         self._buffer: list[SampleRecord] = []
         self._error: BaseException | None = None
         self._mutex = threading.Lock()     # add/flush may be called from several threads (server)
+        # Group commit: manifest lines of renamed files wait in _renamed; one thread at a time commits them.
+        self._renamed: list[tuple[str, list[str], int]] = []
+        self._renamed_lock = threading.Lock()
+        self._commit_lock = threading.Lock()
         self.files_written: list[str] = []
         self.num_samples_written = 0
-        self._queue: queue.Queue[list[SampleRecord] | None] | None = None
-        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue[tuple[str, list[SampleRecord]] | None] | None = None
+        self._threads: list[threading.Thread] = []
         if background:
-            self._queue = queue.Queue(maxsize=4)    # bounds the memory of shards waiting for the disk
-            self._thread = threading.Thread(target=self._drain, name="pellucid-extraction-writer", daemon=True)
-            self._thread.start()
+            # Bounds the memory of shards waiting for the disk (their pinned host buffers).
+            self._queue = queue.Queue(maxsize=2 * num_threads)
+            self._threads = [threading.Thread(target=self._drain, name=f"pellucid-extraction-writer-{i}", daemon=True)
+                             for i in range(num_threads)]
+            for thread in self._threads:
+                thread.start()
 
     # ---- opening --------------------------------------------------------------------------------
     def _prepare_directory(self) -> None:
@@ -267,30 +285,34 @@ class DatasetWriter:
 
     def write_now(self, record: SampleRecord) -> str:
         """Write one record as its own file synchronously (server use); returns the file name."""
-        if self._thread is not None:
+        if self._threads:
             raise RuntimeError("write_now is for writers made with background=False")
         with self._mutex:
             self._raise_pending()
-            return self._write_shard([record])
+            name = self._take_name()
+            self._write_shard(name, [record])
+            return name
 
     def flush(self) -> None:
-        """Hand the partial shard (if any) to the writer."""
+        """Hand the partial shard (if any) to the writers."""
         with self._mutex:
             if self._buffer:
                 self._submit(self._buffer)
                 self._buffer = []
 
     def close(self) -> None:
-        """Write what is buffered, wait for the writer thread, release the directory. Raises the first
+        """Write what is buffered, wait for the writer threads, release the directory. Raises the first
         I/O error if there was one."""
         try:
             if self._error is None:
                 self.flush()
-            if self._thread is not None:
+            if self._threads:
                 assert self._queue is not None
-                self._queue.put(None)
-                self._thread.join()
-                self._thread = None
+                for _ in self._threads:
+                    self._queue.put(None)
+                for thread in self._threads:
+                    thread.join()
+                self._threads = []
             self._raise_pending()
         finally:
             self._release_lock()
@@ -300,13 +322,21 @@ class DatasetWriter:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def _take_name(self) -> str:
+        """The next data file's name (called under _mutex, so names follow submission order)."""
+        kind = "sample" if self.shard_size == 1 else "shard"
+        name = f"{kind}-{self._next_file:08d}.safetensors"
+        self._next_file += 1
+        return name
+
     def _submit(self, records: list[SampleRecord]) -> None:
+        name = self._take_name()
         if self._queue is None:
-            self._write_shard(records)
+            self._write_shard(name, records)
             return
         while True:     # wake up now and then to notice a writer that failed while we wait for room
             try:
-                self._queue.put(records, timeout=0.5)
+                self._queue.put((name, records), timeout=0.5)
                 return
             except queue.Full:
                 self._raise_pending()
@@ -314,15 +344,16 @@ class DatasetWriter:
     def _drain(self) -> None:
         assert self._queue is not None
         while True:
-            records = self._queue.get()
-            if records is None:
+            item = self._queue.get()
+            if item is None:
                 return
             if self._error is not None:
-                continue      # after a failure, write nothing more (the job is stopping)
+                continue      # after a failure, start no more files (the job is stopping)
             try:
-                self._write_shard(records)
+                self._write_shard(*item)
             except BaseException as exc:
-                self._error = exc
+                if self._error is None:
+                    self._error = exc
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -332,10 +363,7 @@ class DatasetWriter:
                 f"writing to {self.output_dir!r} failed{hint}: {exc}. The {self.num_existing_samples + self.num_samples_written} "
                 f"samples listed in {MANIFEST} are complete; fix the problem and rerun the same job to resume") from exc
 
-    def _write_shard(self, records: list[SampleRecord]) -> str:
-        kind = "sample" if self.shard_size == 1 else "shard"
-        name = f"{kind}-{self._next_file:08d}.safetensors"
-        self._next_file += 1
+    def _write_shard(self, name: str, records: list[SampleRecord]) -> None:
         single = self.shard_size == 1
         tensors: dict[str, torch.Tensor] = {}
         lines = []
@@ -347,14 +375,23 @@ class DatasetWriter:
         metadata = {key: value if isinstance(value, str) else json.dumps(value) for key, value in self.job_info.items()}
         metadata["sample_ids"] = json.dumps([r.sample_id for r in records])
         metadata["num_samples"] = str(len(records))
-        atomic_write(os.path.join(self.output_dir, name), safetensors_parts(tensors, metadata))
-        self._append_manifest(lines)
-        self.files_written.append(name)
-        self.num_samples_written += len(records)
-        return name
+        atomic_write(os.path.join(self.output_dir, name), safetensors_parts(tensors, metadata), sync_directory=False)
+        with self._renamed_lock:
+            self._renamed.append((name, lines, len(records)))
+        self._commit_renamed()
 
-    def _append_manifest(self, lines: list[str]) -> None:
-        with open(os.path.join(self.output_dir, MANIFEST), "ab") as f:
-            f.write(("\n".join(lines) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
+    def _commit_renamed(self) -> None:
+        """Make the renames durable (one directory fsync) and list the files in the manifest, for every
+        file renamed so far: a thread that finds its lines already committed by another is done."""
+        with self._commit_lock:
+            with self._renamed_lock:
+                batch, self._renamed = self._renamed, []
+            if not batch:
+                return
+            _fsync_dir(self.output_dir)
+            with open(os.path.join(self.output_dir, MANIFEST), "ab") as f:
+                f.write(("\n".join(line for _, lines, _ in batch for line in lines) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
+            self.files_written.extend(name for name, _, _ in batch)
+            self.num_samples_written += sum(count for _, _, count in batch)

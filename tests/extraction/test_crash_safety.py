@@ -31,10 +31,10 @@ def _slow_writes(monkeypatch, seconds: float) -> None:
 
     original = writer_module.atomic_write
 
-    def slow(path, data):
+    def slow(path, data, **kwargs):
         if path.endswith(".safetensors"):
             time.sleep(seconds)
-        original(path, data)
+        original(path, data, **kwargs)
     monkeypatch.setattr(writer_module, "atomic_write", slow)
 
 
@@ -91,10 +91,10 @@ CHILD = textwrap.dedent("""
 
     model_dir, out_dir, data_path, shard_size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     original = writer_module.atomic_write
-    def slow(path, data):
+    def slow(path, data, **kwargs):
         if path.endswith(".safetensors"):
             time.sleep(0.05)
-        original(path, data)
+        original(path, data, **kwargs)
     writer_module.atomic_write = slow
     records = [json.loads(line) for line in open(data_path)]
     llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=4)

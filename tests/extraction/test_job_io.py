@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -103,25 +104,36 @@ def test_restart_repairs_what_a_killed_job_left(llm, reference, tmp_path):
 
 
 class _DiskFillsUp:
-    """Stands in for the `os` module in the writer: the file after `files_ok` renames fails half written."""
+    """Stands in for the `os` module in the writer: every data file after the first `files_ok` started
+    fails half written (counted by starts, so concurrent writer threads cannot slip one past)."""
 
     def __init__(self, files_ok: int) -> None:
         self.files_ok = files_ok
-        self.renames = 0
+        self.started = 0
+        self.failing: set[int] = set()
+        self.lock = threading.Lock()
 
     def __getattr__(self, name):
         return getattr(os, name)
 
+    def open(self, path, flags, mode=0o777):
+        fd = os.open(path, flags, mode)
+        if ".safetensors." in path and path.endswith(".tmp"):
+            with self.lock:
+                self.started += 1
+                if self.started > self.files_ok:
+                    self.failing.add(fd)
+        return fd
+
+    def close(self, fd):
+        self.failing.discard(fd)
+        os.close(fd)
+
     def write(self, fd, data):
-        if self.renames >= self.files_ok:
+        if fd in self.failing:
             os.write(fd, bytes(data[:len(data) // 2]))
             raise OSError(errno.ENOSPC, "No space left on device")
         return os.write(fd, data)
-
-    def replace(self, src, dst):
-        os.replace(src, dst)
-        if dst.endswith(".safetensors"):
-            self.renames += 1
 
 
 @pytest.mark.parametrize("shard_size", [1, 3])
