@@ -61,7 +61,8 @@ class SchedulerConfig:
     # Schedule and launch step N+1 before step N is read back, so the host work of a step (scheduling,
     # batch building, output processing) runs while the device computes (see engine/scheduler.py).
     # None = on for CUDA devices (H100, Qwen3-0.6B shape: batch-1 decode 1.91 -> 1.39 ms/step, batch 256
-    # 5.27 -> 3.50 ms), off on the CPU, where a launch is the computation itself and nothing overlaps.
+    # 5.27 -> 3.50 ms), off on the CPU, where a launch is the computation itself and nothing overlaps,
+    # and off under AsyncLLM / the server, whose streaming thread needs the GIL (see async_llm.py).
     async_scheduling: bool | None = None
 
 

@@ -38,6 +38,7 @@ def _load_generator_main():
         raise FileNotFoundError(f"the load generator {path} is missing (it ships in the source tree only)")
     spec = importlib.util.spec_from_file_location("pellucid_serve_bench", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module     # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module.main
 

@@ -177,3 +177,26 @@ def test_shutdown_ends_in_flight_requests_cleanly(qwen3_dir):
     assert asyncio.run(run()) >= 2
     assert engine.get_stats().num_used_blocks == 0
     assert not engine.is_running
+
+
+def test_async_llm_steps_serially_unless_asked(qwen3_dir):
+    # Stepping ahead would keep the loop thread from releasing the GIL to the streaming thread (see
+    # AsyncLLM._start); an explicit async_scheduling=True is kept, and its outputs match the serial ones.
+    default = AsyncLLM(qwen3_dir, **ENGINE_KWARGS)
+    asked = AsyncLLM(qwen3_dir, async_scheduling=True, **ENGINE_KWARGS)
+    try:
+        assert default.config.scheduler.async_scheduling is False
+        assert asked.config.scheduler.async_scheduling is True
+
+        async def run(engine: AsyncLLM) -> list[int]:
+            final = None
+            async for out in engine.generate([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                          ignore_eos=True)):
+                final = out
+            return list(final.outputs[0].token_ids)
+
+        assert asyncio.run(run(asked)) == asyncio.run(run(default))
+        assert asked._core.num_steps_ahead > 0
+    finally:
+        default.shutdown()
+        asked.shutdown()
