@@ -2,8 +2,9 @@
 
 Measures what the engine spends on the host each step (schedule, batch build, sampling metadata,
 sampler call overhead, output processing and detokenization) so it can be compared with the GPU time
-of a step. The model forward and the LM head matmul (device work on a GPU) are stubbed: they return
-fixed rows. Runs on the CPU; no GPU needed.
+of a step. The model forward and the LM head (device work on a GPU) are stubbed: they return fixed
+rows, the logits over 16 token ids so that the sampler's vocabulary pass costs nothing either. Runs on
+the CPU; no GPU needed.
 
     python benchmarks/step_overhead.py --batch 256 --steps 200
 
@@ -61,8 +62,9 @@ def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, dev
     core = EngineCore(config)
     stub = StubModel(core.runner.model, config.scheduler.max_num_batched_tokens, device_ms)
     core.runner.model = stub
-    # The LM head matmul is device work on a GPU too: fixed logits rows; the sampler still runs.
-    logits = torch.randn(max(batch, 1), core.runner.head.vocab_size)
+    # The LM head matmul and the sampler's pass over the vocabulary are device work on a GPU too: fixed
+    # logits rows over 16 token ids, so the sampler call (metadata, dispatch) runs at no compute cost.
+    logits = torch.randn(max(batch, 1), 16)
     core.runner.head.compute_logits = lambda hidden: logits[: hidden.shape[0]]
     if device_ms > 0:
         inner_readback = core.runner._device_readback
