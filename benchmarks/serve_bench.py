@@ -25,7 +25,7 @@ class RequestResult:
     ok: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0
+    ttft: float | None = None      # None: no chunk with a choice arrived
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
@@ -62,7 +62,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                # Every chunk with a choice carries one step's token, even when its text is empty (bytes
+                # of an unfinished UTF-8 character, or ids the tokenizer cannot spell): time them all.
+                if chunk.get("choices"):
                     now = time.perf_counter()
                     if last is None:
                         result.ttft = now - start
@@ -108,7 +110,7 @@ def report(args: argparse.Namespace, results: list[RequestResult], duration: flo
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
-    ttfts = [r.ttft * 1000 for r in ok]
+    ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
     itls = [gap * 1000 for r in ok for gap in r.itls]
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}/s {args.arrivals}"
     rows = [
