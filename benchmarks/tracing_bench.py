@@ -210,25 +210,9 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], name: str, extras: 
     gpu_us = sum(e.device_time for e in kernels) / num_steps
     print(f"\n[{name}] {num_steps} decode steps, batch {len(prompts)}: {wall / num_steps * 1e3:.2f} ms/step wall "
           f"(profiled), GPU {gpu_us:.0f} us/step in {len(kernels) / num_steps:.0f} kernels/memcpys per step")
-    host = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CPU:
-            entry = host[e.name]
-            entry[0] += 1
-            entry[1] += e.self_cpu_time_total
-    top = sorted(host.items(), key=lambda kv: -kv[1][1])[:14]
-    print(f"  {'host op (self CPU)':<58}{'calls/step':>11}{'us/step':>9}")
-    for op, (count, us) in top:
-        print(f"  {op[:58]:<58}{count / num_steps:>11.1f}{us / num_steps:>9.1f}")
-    device = collections.defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        entry = device[e.name]
-        entry[0] += 1
-        entry[1] += e.device_time
-    top = sorted(device.items(), key=lambda kv: -kv[1][1])[:6]
-    print(f"  {'GPU kernel / copy':<58}{'calls/step':>11}{'us/step':>9}")
-    for op, (count, us) in top:
-        print(f"  {op[:58]:<58}{count / num_steps:>11.1f}{us / num_steps:>9.1f}")
+    _print_top("host op (self CPU)", [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU],
+               lambda e: e.self_cpu_time_total, 14, num_steps)
+    _print_top("GPU kernel / copy", kernels, lambda e: e.device_time, 6, num_steps)
     stats = pstats.Stats(python_profile).stats      # (file, line, function) -> (cc, ncalls, tottime, cumtime, _)
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
     print(f"  {'Python function (cProfile tottime)':<58}{'calls/step':>11}{'us/step':>9}")
@@ -237,6 +221,19 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], name: str, extras: 
         print(f"  {where[:58]:<58}{ncalls / num_steps:>11.1f}{tottime / num_steps * 1e6:>9.1f}")
     if trace_dir:
         prof.export_chrome_trace(f"{trace_dir}/trace_{name.split()[0]}.json")
+
+
+def _print_top(title: str, events: list[Any], microseconds: Callable[[Any], float], count: int,
+               num_steps: int) -> None:
+    """The `count` event names with the most time, per step."""
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        entry = totals[e.name]
+        entry[0] += 1
+        entry[1] += microseconds(e)
+    print(f"  {title:<58}{'calls/step':>11}{'us/step':>9}")
+    for op, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:count]:
+        print(f"  {op[:58]:<58}{calls / num_steps:>11.1f}{us / num_steps:>9.1f}")
 
 
 def main() -> None:

@@ -50,17 +50,25 @@ def _run(engine: EngineCore, requests: list[tuple[str, list[int], SamplingParams
     return steps
 
 
-def _mixed_requests(seed: int, stop: list[str]) -> list[tuple[str, list[int], SamplingParams, bool]]:
+def _requests(seed: int, stop: list[str], last_two: list[SamplingParams]
+              ) -> list[tuple[str, list[int], SamplingParams, bool]]:
+    """Greedy, seeded n=2, a stop string, logprobs + prompt logprobs, then `last_two`; every other one streams."""
     prompts = _prompts(seed, 6)
     params = [
         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=seed, max_tokens=12, ignore_eos=True, n=2),
         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=stop),
         SamplingParams(temperature=0.7, seed=seed + 7, max_tokens=10, logprobs=2, prompt_logprobs=1),
-        SamplingParams(temperature=0.0, max_tokens=14, min_tokens=4, stop=stop, include_stop_str_in_output=True),
-        SamplingParams(temperature=0.9, seed=seed + 3, top_k=20, max_tokens=11, repetition_penalty=1.2),
+        *last_two,
     ]
     return [(f"r{i}", prompt, p, i % 2 == 0) for i, (prompt, p) in enumerate(zip(prompts, params))]
+
+
+def _mixed_requests(seed: int, stop: list[str]) -> list[tuple[str, list[int], SamplingParams, bool]]:
+    """Ends with two requests that cannot step ahead (min_tokens, a penalty)."""
+    return _requests(seed, stop, [
+        SamplingParams(temperature=0.0, max_tokens=14, min_tokens=4, stop=stop, include_stop_str_in_output=True),
+        SamplingParams(temperature=0.9, seed=seed + 3, top_k=20, max_tokens=11, repetition_penalty=1.2)])
 
 
 def _stop_strings_from_serial(model_dir: str, seed: int) -> list[str]:
@@ -91,16 +99,10 @@ def _final_outputs(steps: list[list[tuple]]) -> dict[str, tuple]:
 
 
 def _step_ahead_requests(seed: int, stop: list[str]) -> list[tuple[str, list[int], SamplingParams, bool]]:
-    prompts = _prompts(seed, 6)
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
-        SamplingParams(temperature=0.8, seed=seed, max_tokens=12, ignore_eos=True, n=2),
-        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=stop),
-        SamplingParams(temperature=0.7, seed=seed + 7, max_tokens=10, logprobs=2, prompt_logprobs=1),
+    """Every request can step ahead; one ends after its first token."""
+    return _requests(seed, stop, [
         SamplingParams(temperature=0.0, max_tokens=1),
-        SamplingParams(temperature=0.9, seed=seed + 3, top_k=20, top_p=0.9, max_tokens=11),
-    ]
-    return [(f"r{i}", prompt, p, i % 2 == 0) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        SamplingParams(temperature=0.9, seed=seed + 3, top_k=20, top_p=0.9, max_tokens=11)])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
