@@ -116,3 +116,15 @@ def test_missing_asset_is_refused_at_startup_naming_the_build_command(tiny_model
     model_dir = tiny_model_factory("qwen3", seed=24)
     with pytest.raises(FileNotFoundError, match="pellucid flashhead build"):
         LLM(model_dir, head="flashhead", **ENGINE)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stepping_ahead_with_flashhead_equals_serial(flash_model_dir, coarse_flash_llm, seed):
+    # Fed on the device from FlashHead's sampled ids (greedy and sampled rows, few probes).
+    ahead_llm = LLM(flash_model_dir, head="flashhead", head_options={"probes": 2}, async_scheduling=True, **ENGINE)
+    prompts = random_prompts(seed + 50, 6)
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=seed, max_tokens=14, ignore_eos=True)] * 3
+    serial = token_ids(coarse_flash_llm.generate(prompts, params, use_tqdm=False))
+    assert token_ids(ahead_llm.generate(prompts, params, use_tqdm=False)) == serial
+    assert ahead_llm.engine.num_steps_ahead > 0
