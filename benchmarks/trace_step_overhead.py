@@ -16,9 +16,9 @@ attention or MLP compute. Embedding, final norm, LM head (vocab 512) and sampler
 benchmarks/step_overhead.py. A run prefills every request, then times each decode step until all
 requests finish (the last step includes assembling every request's saves). Times are the main
 thread's CPU time (`--clock cpu`, the default: other processes on a busy machine barely move it; torch
-runs one thread) or wall time (`--clock wall`). Steps run serially:
-the engine runs traced steps one at a time, and untraced ones are measured the same way so the
-ratio compares host work only. With --freeze-gc (the default) the heap built at start-up (modules,
+runs one thread) or wall time (`--clock wall`). Steps run serially (the CPU default; on a GPU steps
+are launched ahead and host work overlaps device work), traced and untraced alike, so the ratio
+compares host work only. With --freeze-gc (the default) the heap built at start-up (modules,
 weights, tokenizer) is moved out of the cyclic GC's view after warm-up, as a server would do: otherwise
 a full collection (~150-200 ms of CPU here) lands in a random step of any workload. CPU device: host-to-device copies and pinned-memory staging are
 no-ops here, so their cost on a GPU is not in these figures.
