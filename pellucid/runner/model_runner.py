@@ -119,9 +119,9 @@ class ModelRunner:
         # The last launched step's sampled ids (device) and their requests, in row order: a step launched
         # ahead of that step's readback takes its pending input ids from here (_feed_pending_tokens).
         self._last_sampled: tuple[torch.Tensor, list[Any]] | None = None
-        # Recorded after a step's host-to-device input copies: the pinned host buffers they read are
+        # Recorded after each step's host-to-device input copies: the pinned host buffers they read are
         # rewritten by the next step's batch building, which may run while that step is in flight.
-        self._inputs_copied: torch.cuda.Event | None = None
+        self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
 
     @property
     def supports_prefix_caching(self) -> bool:
@@ -232,8 +232,7 @@ class ModelRunner:
                                  num_padded_reqs=graph_size)
         if len(batch.pending_rows):
             self._feed_pending_tokens(so.requests, batch)
-        if self.device.type == "cuda":
-            self._inputs_copied = torch.cuda.Event()
+        if self._inputs_copied is not None:
             self._inputs_copied.record()
         extras = self.state_pool.prepare(so) if self.state_pool is not None else None
         if trace is not None:
