@@ -368,15 +368,24 @@ def _stage2_blocks(rows: int, size: int, hidden_size: int, block_p: int | None,
     return block_p, block_h
 
 
+def _stage2_inputs(hidden: torch.Tensor, cluster_weight: torch.Tensor, clusters: torch.Tensor,
+                   block_p: int | None, block_h: int | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The contiguous tensors and the blocks both stage-2 kernels launch with."""
+    _require_triton()
+    hidden, cluster_weight, clusters = hidden.contiguous(), cluster_weight.contiguous(), clusters.contiguous()
+    _, size, hidden_size = cluster_weight.shape
+    block_p, block_h = _stage2_blocks(clusters.shape[0], size, hidden_size, block_p, block_h)
+    return hidden, cluster_weight, clusters, block_p, block_h
+
+
 def stage2_triton(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_token_ids: torch.Tensor,
                   clusters: torch.Tensor, block_p: int | None = None, block_h: int | None = None,
                   num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    _require_triton()
-    hidden, cluster_weight = hidden.contiguous(), cluster_weight.contiguous()
-    clusters = clusters.contiguous()
+    hidden, cluster_weight, clusters, block_p, block_h = _stage2_inputs(hidden, cluster_weight, clusters,
+                                                                        block_p, block_h)
     rows, probes = clusters.shape
-    num_clusters, size, hidden_size = cluster_weight.shape
-    block_p, block_h = _stage2_blocks(rows, size, hidden_size, block_p, block_h)
+    size, hidden_size = cluster_weight.shape[1:]
     logits = torch.empty(rows, probes * size, dtype=torch.float32, device=hidden.device)
     token_ids = torch.empty(rows, probes * size, dtype=torch.int64, device=hidden.device)
     grid = (rows, triton.cdiv(probes, block_p))
@@ -439,12 +448,10 @@ def stage2_greedy_triton(hidden: torch.Tensor, cluster_weight: torch.Tensor, clu
                          block_p: int | None = None, block_h: int | None = None,
                          num_warps: int = 4) -> torch.Tensor:
     """Argmax token per row over the probed clusters; `state` must have been reset on this stream."""
-    _require_triton()
-    hidden, cluster_weight = hidden.contiguous(), cluster_weight.contiguous()
-    clusters = clusters.contiguous()
+    hidden, cluster_weight, clusters, block_p, block_h = _stage2_inputs(hidden, cluster_weight, clusters,
+                                                                        block_p, block_h)
     rows, probes = clusters.shape
-    num_clusters, size, hidden_size = cluster_weight.shape
-    block_p, block_h = _stage2_blocks(rows, size, hidden_size, block_p, block_h)
+    size, hidden_size = cluster_weight.shape[1:]
     tokens = torch.empty(rows, dtype=torch.int64, device=hidden.device)
     programs = triton.cdiv(probes, block_p)
     best, count = state
