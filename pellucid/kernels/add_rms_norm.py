@@ -9,14 +9,19 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, out_ptr,
                          stride_x, stride_residual, stride_residual_out, stride_out, num_cols, eps,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
     total = (x + residual).to(residual_out_ptr.dtype.element_ty)
@@ -24,7 +29,6 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, out_
     total = total.to(tl.float32)
     variance = tl.sum(total * total, axis=0) / num_cols
     normed = (total * tl.rsqrt(variance + eps)).to(residual_out_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -48,5 +52,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         block = triton.next_power_of_2(hidden)
         _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, residual_out, out, x.stride(0), residual.stride(0),
                                             residual_out.stride(0), out.stride(0), hidden, eps,
-                                            BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+                                            BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+                                            **pdl_launch_options(x))
     return residual_out, out

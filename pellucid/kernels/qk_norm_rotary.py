@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+
 from pellucid.kernels.rotary import rotate_half_rounded, token_cos_sin
 
 
@@ -40,7 +42,9 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr
                            stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs_kind, stride_cs_pos,
                            num_q_heads, num_k_heads, q_eps, k_eps,
                            HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                           BLOCK_HK: tl.constexpr):
+                           BLOCK_HK: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
@@ -78,4 +82,4 @@ def qk_norm_rotary_inplace(positions: torch.Tensor, query: torch.Tensor, key: to
         cos_sin_cache.stride(0), cos_sin_cache.stride(1), num_q_heads, key.shape[1], q_eps, k_eps,
         HALF=half, BLOCK_D=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(key.shape[1]),
-        num_warps=4)
+        num_warps=4, **pdl_launch_options(query))

@@ -10,17 +10,21 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_out, num_cols, eps,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     variance = tl.sum(x * x, axis=0) / num_cols
     normed = (x * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -36,5 +40,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0] > 0:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), hidden, eps,
-                                           BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+                                           BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+                                           **pdl_launch_options(x))
     return out.view(x.shape)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+
 
 @triton.jit
 def token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, x_ptr):
@@ -49,7 +51,10 @@ def _rotate_heads(x_ptr, stride_t, stride_h, token, num_heads, cos, sin, offs_h,
 def _rotary_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
                    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs_kind, stride_cs_pos,
                    num_q_heads, num_k_heads,
-                   HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   PDL: tl.constexpr):
+    release_dependents(PDL)
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
@@ -82,4 +87,4 @@ def rotary_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tens
         cos_sin_cache.stride(0), cos_sin_cache.stride(1), num_q_heads, key.shape[1],
         HALF=half, BLOCK_D=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(key.shape[1]),
-        num_warps=4)
+        num_warps=4, **pdl_launch_options(query))

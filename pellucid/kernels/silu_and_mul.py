@@ -5,10 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+
 
 @triton.jit
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, num_cols, stride_gate, stride_up, stride_out,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -31,5 +35,5 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(num_cols), 2048)
         grid = (num_rows, triton.cdiv(num_cols, block))
         _silu_and_mul_kernel[grid](gate, up, out, num_cols, gate.stride(0), up.stride(0), out.stride(0),
-                                   BLOCK=block, num_warps=4)
+                                   BLOCK=block, num_warps=4, **pdl_launch_options(gate))
     return out

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -36,10 +38,49 @@ class SkinnyConfig:
 
 
 @triton.jit
+def _load_w_tile(w_rows, offs_k, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_rows + offs_k[None, :])
+    return tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_x_tile(x_rows, offs_k, mask_m, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    if EVEN_K:
+        x_mask = mask_m[:, None]
+    else:
+        x_mask = mask_m[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+    if SILU_MUL:
+        # x_rows point at the merged [gate | up] row: up sits K columns after gate.
+        up = tl.load(x_rows + K + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        act_dtype = x.dtype
+        gate = x.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(act_dtype).to(tl.float32)
+        x = (act * up).to(act_dtype)
+    return x
+
+
+@triton.jit
+def _accumulate(acc, x, w, USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    if USE_DOT:
+        if x.dtype == tl.float32:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        elif UPCAST_DOT:    # the Triton CPU interpreter mishandles 16-bit dots; they are exact in fp32
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    else:
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                        USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,32 +92,19 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, strid
     safe_n = tl.where(mask_n, offs_n, 0).to(tl.int64)
     w_rows = w_ptr + safe_n[:, None] * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    act_dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile is loaded before waiting for the kernel that produces x (no kernel writes
+    # weights), so under PDL the weight stream starts while that kernel finishes.
+    offs_k = tl.arange(0, BLOCK_K)
+    w = _load_w_tile(w_rows, offs_k, K, EVEN_K)
+    wait_for_previous_kernel(PDL)
+    x = _load_x_tile(x_rows, offs_k, mask_m, K, EVEN_K, SILU_MUL)
+    acc = _accumulate(acc, x, w, USE_DOT, UPCAST_DOT)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + offs_k[None, :])
-            x_mask = mask_m[:, None]
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
-            x_mask = mask_m[:, None] & (offs_k < K)[None, :]
-        x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
-        if SILU_MUL:
-            # x_ptr is the merged [gate | up] row: up sits K columns after gate.
-            up = tl.load(x_rows + K + offs_k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(act_dtype).to(tl.float32)
-            x = (act * up).to(act_dtype)
-        if USE_DOT:
-            if act_dtype == tl.float32:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            elif UPCAST_DOT:    # the Triton CPU interpreter mishandles 16-bit dots; they are exact in fp32
-                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = _load_w_tile(w_rows, offs_k, K, EVEN_K)
+        x = _load_x_tile(x_rows, offs_k, mask_m, K, EVEN_K, SILU_MUL)
+        acc = _accumulate(acc, x, w, USE_DOT, UPCAST_DOT)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + safe_n).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -137,8 +165,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k:
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % config.block_k == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
-        UPCAST_DOT=_interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        UPCAST_DOT=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch_options(x))
     return y
 
 

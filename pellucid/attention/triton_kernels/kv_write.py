@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -12,7 +14,10 @@ def _write_kv_kernel(
     stride_key_t, stride_key_h, stride_value_t, stride_value_h,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_dependents(PDL)
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -51,5 +56,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_HD=triton.next_power_of_2(num_kv_heads * head_dim),
+        BLOCK_HD=triton.next_power_of_2(num_kv_heads * head_dim), **pdl_launch_options(key),
     )
