@@ -29,7 +29,7 @@ from torch import nn
 
 from pellucid.logger import get_logger
 from pellucid.tracing.ops import LOGITS, TOKENS
-from pellucid.tracing.plan import TRACE_KEY, TracePlan
+from pellucid.tracing.plan import TRACE_KEY, TracePlan, sorted_unique
 from pellucid.tracing.taps import (Target, TapRuntime, TapUser, TargetTap, build_program, captured_tap,
                                    install_hooks)
 
@@ -295,7 +295,7 @@ class StepTrace:
             for op_index in t.plan.ops_at(LOGITS):
                 positions, _ = t.selection(op_index)
                 wanted.append(positions - t.first_position + t.row_start)
-        rows = np.unique(np.concatenate(wanted)) if wanted else np.empty(0, dtype=np.int64)
+        rows = sorted_unique(np.concatenate(wanted)) if wanted else np.empty(0, dtype=np.int64)
         if rows.size == 0:
             return
         logits = head.compute_logits(hidden[_row_index(rows, hidden.device)])

@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pellucid.tracing.ops import Add, MeanAblate, Save, Scale, Set, Zero
 from pellucid.tracing.plan import TracePlan
+from pellucid.tracing.save_log import SaveLog
 
 Target = tuple[str, str]          # (module path, "input" | "output")
 
@@ -310,6 +311,10 @@ class _Stage:
             if not r.plan.failed:       # a request that failed earlier in this forward keeps no saves
                 r.plan.record_save(r.op_index, r.positions, chunk, r.start)
 
+    def take(self, source: torch.Tensor) -> None:
+        """Copy this stage's rows out of `source` (the tapped value, or a graph's static copy of it)."""
+        self.record(source.index_select(0, self.index))
+
 
 class _DecodeStage:
     """A save stage of a decode step: one row per hit (user, save op) pair, recorded with no per-row numpy."""
@@ -319,11 +324,24 @@ class _DecodeStage:
         self.lists, self.positions = lists, positions
         self.index = index
 
-    def record(self, chunk: torch.Tensor) -> None:
+    def take(self, source: torch.Tensor) -> None:
+        chunk = source.index_select(0, self.index)
         # Straight into each plan's save list (TracePlan.record_save's flat format): a failed plan has
         # swapped in a fresh dict, so whatever lands in its old list is dropped with it.
         for k, (saves, position) in enumerate(zip(self.lists, self.positions)):
             saves.extend((position, chunk, k))
+
+
+class _LoggedStage:
+    """A decode save stage in which every (request, save) pair of the layout saves its row: the rows go
+    to the layout's SaveLog, whose reference each pair's save list already holds (no per-request work)."""
+
+    def __init__(self, log: SaveLog, index: torch.Tensor, positions: np.ndarray) -> None:
+        self.count = log.num_pairs
+        self.log, self.index, self.positions = log, index, positions
+
+    def take(self, source: torch.Tensor) -> None:
+        self.log.write(source, self.index, self.positions)
 
 
 class _DecodeLayout:
@@ -358,6 +376,8 @@ class _DecodeLayout:
         self.first_positions = np.array([u.first_position for u in users], dtype=np.int64)
         # Per stage: the rows of the last step's hits and their device index, reused while unchanged.
         self.last_index: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
+        # Per stage: the log of the steps in which every pair saved (made on the first such step).
+        self.logs: dict[str, SaveLog] = {}
         self.stages = {}
         for name in ("pre_saves", "post_saves"):
             pairs = [(i, u.plan.saves[u.plan.save_names[op_index]], mask)
@@ -376,6 +396,17 @@ class _DecodeLayout:
             return self.first_positions + steps
         return np.fromiter((u.first_position for u in users), dtype=np.int64, count=len(users))
 
+    def _log(self, stage: str, lists: list[list[Any]]) -> SaveLog:
+        """The stage's log; made (and referenced from every pair's save list) on its first step."""
+        log = self.logs.get(stage)
+        if log is None:
+            log = self.logs[stage] = SaveLog(len(lists))
+            # Rows recorded before this point precede the log in each list, later ones follow it: the
+            # log's positions are all distinct from those (one position per step, moving on).
+            for pair, saves in enumerate(lists):
+                saves.extend((log, None, pair))
+        return log
+
     def fill(self, tap: "TargetTap", runtime: TapRuntime, num_rows: int) -> None:
         positions = self.positions(tap.users)
         stages = []
@@ -392,8 +423,10 @@ class _DecodeLayout:
                 else:
                     index = runtime.index_to_device(tap.target, name, rows)
                     self.last_index[name] = (rows, index)
-            hit_lists = lists if hit.size == len(lists) else [lists[j] for j in hit.tolist()]
-            stages.append(_DecodeStage(hit_lists, positions[users].tolist(), index))
+            if hit.size and hit.size == len(lists):
+                stages.append(_LoggedStage(self._log(name, lists), index, positions[users]))
+                continue
+            stages.append(_DecodeStage([lists[j] for j in hit.tolist()], positions[users].tolist(), index))
         tap.pre, tap.post = stages
         if not tap.edits:
             return
@@ -534,18 +567,18 @@ class TargetTap:
             raise RuntimeError(f"{'.'.join(self.target)}: {x.shape[0]} rows reach the tap, prepared for "
                                f"{self.num_rows}")
         if self.pre.count:
-            self.pre.record(x.index_select(0, self.pre.index))
+            self.pre.take(x)
         out = edit(x, self.keep, self.scale, self.add) if self.edits else x
         if self.post.count:
-            self.post.record(out.index_select(0, self.post.index))
+            self.post.take(out)
         return out
 
     def collect_static(self, static: _StaticBuffers) -> None:
         """After a graph replay: copy the selected rows out of the static save buffers."""
         if self.pre.count:
-            self.pre.record(static.pre.index_select(0, self.pre.index))
+            self.pre.take(static.pre)
         if self.post.count:
-            self.post.record(static.post.index_select(0, self.post.index))
+            self.post.take(static.post)
 
 
 def edit(x: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
