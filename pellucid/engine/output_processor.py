@@ -179,6 +179,8 @@ class OutputProcessor:
         child_to_parent = self.child_to_parent
         touched = set()
         running = RequestStatus.RUNNING   # a changed request is running or finished; `is` is cheaper than .finished
+        if not streaming:
+            changed = [req for req in changed if req.status is not running]   # final-only: just the finished
         for req in changed:
             rid = req.request_id
             if rid in streaming or req.status is not running:

@@ -144,17 +144,35 @@ class Scheduler:
         # is never scheduled yet in this step because the list is in priority order.
         running = self.running
         kv = self.kv
+        no_work_limit = kv.no_work_limits.get
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
             pending = request.num_pending_tokens
+            # Tokens known or pending: the sequence as far as any launched step takes it.
+            num_known = len(request.all_token_ids) + pending
             # Pending tokens exist only while a step is in flight, i.e. when scheduling ahead, and the engine
             # schedules ahead only when every request can_step_ahead.
-            if pending and len(request.all_token_ids) + pending >= request.max_total_tokens:
+            if pending and num_known >= request.max_total_tokens:
                 index += 1      # its pending token is its last
                 continue
-            num_new = len(request.all_token_ids) + pending - num_computed
+            num_new = num_known - num_computed
+            if 0 < num_new <= budget and num_known <= no_work_limit(request.request_id, 0):
+                # A decode (or a chunk) with room in its held blocks and no block to publish: allocate_slots
+                # would do nothing. This is add() inlined, for a chunk reaching num_known, so it samples;
+                # it runs for every request of a decode batch every step.
+                append_request(request)
+                append_scheduled(num_new)
+                append_computed(num_computed)
+                append_samples(True)
+                request.num_pending_tokens = pending + 1
+                if num_computed < len(request.prompt_token_ids):
+                    prompt_tokens += num_new
+                request.num_computed_tokens = num_known
+                budget -= num_new
+                index += 1
+                continue
             if num_new > budget or num_new == 0:
                 num_new = self._num_tokens_to_schedule(request, num_computed, budget)
                 if num_new == 0:
@@ -241,9 +259,13 @@ class Scheduler:
         token-level stop checks, end failed requests. Returns the requests that got a token or
         finished. Stop strings are the output processor's job (it calls finish_requests)."""
         changed: list[Request] = []
+        append_changed = changed.append
         errors = runner_output.errors
         sampled = runner_output.sampled_token_ids
         running = RequestStatus.RUNNING
+        num_generated = 0
+        # This loop runs for every request of the batch every step: the token append and the stop checks
+        # are inlined (Request.append_output_token, _check_stop) to spare two calls per request.
         for request, samples in zip(scheduler_output.requests, scheduler_output.samples):
             if samples:
                 request.num_pending_tokens -= 1
@@ -251,7 +273,7 @@ class Scheduler:
                 continue   # ended (abort, stop) while the step ran: its token is dropped
             if errors and request.request_id in errors:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error=errors[request.request_id])
-                changed.append(request)
+                append_changed(request)
                 continue
             if not samples:
                 continue
@@ -259,34 +281,30 @@ class Scheduler:
             if token is None:
                 self._finish(request, RequestStatus.FINISHED_ERROR,
                              error="the model runner returned no token for a request that was due to sample")
-                changed.append(request)
+                append_changed(request)
                 continue
-            request.append_output_token(token)
-            self.total_generated_tokens += 1
+            output_token_ids = request.output_token_ids
+            output_token_ids.append(token)
+            all_token_ids = request.all_token_ids
+            all_token_ids.append(token)
+            num_generated += 1
             if now is not None:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.last_token_time = now
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._finish(request, status)
-            changed.append(request)
+            # Token-level stop conditions, in vLLM's order: length, then (past min_tokens) EOS / stop ids.
+            params = request.sampling_params
+            if len(all_token_ids) >= request.max_total_tokens:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+            elif not params.min_tokens or len(output_token_ids) >= params.min_tokens:
+                if token in request.eos_token_ids:
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                elif params.stop_token_ids and token in params.stop_token_ids:
+                    request.stop_reason = token
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+            append_changed(request)
+        self.total_generated_tokens += num_generated
         return changed
-
-    @staticmethod
-    def _check_stop(request: Request, token: int) -> RequestStatus | None:
-        """Token-level stop conditions, in vLLM's order: length, then (past min_tokens) EOS / stop ids."""
-        params = request.sampling_params
-        if len(request.all_token_ids) >= request.max_total_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if params.min_tokens and len(request.output_token_ids) < params.min_tokens:
-            return None
-        if token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        return None
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, stop string, error); unknown or finished ids are ignored."""

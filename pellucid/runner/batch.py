@@ -11,6 +11,7 @@ from pellucid.attention.metadata import CommonAttentionMetadata
 from pellucid.engine.request import Request
 from pellucid.engine.scheduler_output import SchedulerOutput
 from pellucid.runner.buffers import StepBuffers
+from pellucid.sampling_params import SamplingParams
 
 _all_token_ids = operator.attrgetter("all_token_ids")
 _block_ids = operator.attrgetter("block_ids")
@@ -56,7 +57,7 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
     them and their slot is -1. It needs num_padded_tokens == num_padded_reqs.
     """
     num_reqs = so.num_reqs
-    num_tokens = so.total_num_scheduled_tokens
+    num_tokens = sum(so.num_scheduled_tokens)
     padded = num_tokens if num_padded_tokens is None else num_padded_tokens
     padded_reqs = num_reqs if num_padded_reqs is None else num_padded_reqs
     if padded > bufs.max_num_tokens or padded_reqs > bufs.max_num_reqs:
@@ -65,36 +66,47 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
     if padded_reqs > num_reqs and (padded - num_tokens) != (padded_reqs - num_reqs):
         raise ValueError("padding requests need exactly one padding token each")
 
-    scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
-    computed = np.asarray(so.num_computed_tokens, dtype=np.int64)
+    requests = so.requests
+    computed = np.fromiter(so.num_computed_tokens, dtype=np.int64, count=num_reqs)
     qsl = bufs.query_start_loc.np
-    qsl[0] = 0
-    np.cumsum(scheduled, out=qsl[1:num_reqs + 1])
-    bufs.seq_lens.np[:num_reqs] = computed + scheduled
-    bufs.num_computed_tokens.np[:num_reqs] = computed
-
     token_to_req = bufs.token_to_req.np
-    token_to_req[:num_tokens] = np.repeat(np.arange(num_reqs, dtype=np.int32), scheduled)
-    starts = qsl[:num_reqs].astype(np.int64)
     positions = bufs.positions.np
-    positions[:num_tokens] = np.arange(num_tokens) - np.repeat(starts, scheduled) + np.repeat(computed, scheduled)
+    seq_lens = bufs.seq_lens.np
+    arange = bufs.arange
+    # Every request schedules at least one token, so as many tokens as requests means one each: a decode
+    # step (the common case at large batches), whose layout needs no cumsum or repeat.
+    decode_only = num_tokens == num_reqs
+    if decode_only:
+        qsl[:num_reqs + 1] = arange[:num_reqs + 1]
+        token_to_req[:num_reqs] = arange[:num_reqs]
+        positions[:num_reqs] = computed
+        np.add(computed, 1, out=seq_lens[:num_reqs])
+        max_query_len = 1 if num_reqs else 0
+    else:
+        scheduled = np.array(so.num_scheduled_tokens, dtype=np.int64)
+        ends = np.cumsum(scheduled)
+        qsl[0] = 0
+        qsl[1:num_reqs + 1] = ends
+        token_to_req[:num_tokens] = np.repeat(arange[:num_reqs], scheduled)
+        # Position of flat token t of request r: t - start[r] + computed[r].
+        positions[:num_tokens] = arange[:num_tokens] - np.repeat(ends - scheduled - computed, scheduled)
+        seq_lens[:num_reqs] = computed + scheduled
+        max_query_len = int(scheduled.max()) if num_reqs else 0
+    bufs.num_computed_tokens.np[:num_reqs] = computed
 
     input_ids = bufs.input_ids.np
     block_table = bufs.block_table.np
-    requests = so.requests
     # Per-request gathers go through map/attrgetter so the loops run in C: at a batch of hundreds of
     # decodes, Python-level per-request work is most of a step's host time.
-    token_lists = list(map(_all_token_ids, requests))
-    known_ends = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_reqs)
-    pending_rows = np.flatnonzero(computed + scheduled > known_ends)
-    if num_tokens == num_reqs and not len(pending_rows):
-        # Decode-only step: one token per request.
-        input_ids[:num_reqs] = list(map(operator.getitem, token_lists, so.num_computed_tokens))
-    elif num_tokens == num_reqs and len(pending_rows) == num_reqs:
+    known_ends = np.fromiter(map(len, map(_all_token_ids, requests)), dtype=np.int64, count=num_reqs)
+    pending_rows = np.flatnonzero(seq_lens[:num_reqs] > known_ends)
+    if decode_only and len(pending_rows) == num_reqs:
         input_ids[:num_reqs] = 0    # a steady decode step scheduled ahead: every id comes from the device
+    elif decode_only and not len(pending_rows):
+        input_ids[:num_reqs] = list(map(operator.getitem, map(_all_token_ids, requests), so.num_computed_tokens))
     else:
-        for tokens, start, n, offset in zip(token_lists, so.num_computed_tokens, so.num_scheduled_tokens,
-                                            qsl[:num_reqs].tolist()):
+        for tokens, start, n, offset in zip(map(_all_token_ids, requests), so.num_computed_tokens,
+                                            so.num_scheduled_tokens, qsl[:num_reqs].tolist()):
             known = tokens[start:start + n]     # one short when the last token is pending
             input_ids[offset:offset + len(known)] = known
             if len(known) < n:
@@ -104,92 +116,118 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
     # extends, never rewrites, while it stays scheduled), so only rows with a new owner or new blocks
     # are written; in a steady decode batch that is the few requests whose last block just filled.
     row_owner, row_num_blocks = bufs.row_owner, bufs.row_num_blocks
-    block_id_lists = list(map(_block_ids, requests))
-    num_blocks = list(map(len, block_id_lists))
+    num_blocks = list(map(len, map(_block_ids, requests)))
     max_blocks = max(max(num_blocks, default=1), 1)
-    new_owner = np.fromiter(map(operator.is_not, requests, row_owner), dtype=bool, count=num_reqs)
-    grown = np.fromiter(map(operator.ne, num_blocks, row_num_blocks), dtype=bool, count=num_reqs)
-    for i in np.flatnonzero(new_owner | grown).tolist():
-        written = 0 if new_owner[i] else row_num_blocks[i]
-        if num_blocks[i] > written:
-            block_table[i, written:num_blocks[i]] = block_id_lists[i][written:] if written else block_id_lists[i]
-    row_owner[:num_reqs] = requests
-    row_num_blocks[:num_reqs] = num_blocks
+    # List equality compares Requests by identity (they define no __eq__), in C.
+    same_owners = row_owner[:num_reqs] == requests
+    if not (same_owners and row_num_blocks[:num_reqs] == num_blocks):
+        block_id_lists = list(map(_block_ids, requests))
+        new_owner = np.fromiter(map(operator.is_not, requests, row_owner), dtype=bool, count=num_reqs)
+        counts = np.array(num_blocks, dtype=np.int64)
+        written_counts = np.array(row_num_blocks[:num_reqs], dtype=np.int64)
+        # Rows that kept their owner and gained one block (a decode filled its last one) take one
+        # scattered write; other changed rows are written one by one.
+        one_more = ~new_owner & (counts == written_counts + 1)
+        one_more_rows = np.flatnonzero(one_more)
+        if len(one_more_rows):
+            block_table[one_more_rows, written_counts[one_more_rows]] = \
+                [block_id_lists[i][-1] for i in one_more_rows.tolist()]
+        for i in np.flatnonzero((new_owner | (counts != written_counts)) & ~one_more).tolist():
+            written = 0 if new_owner[i] else row_num_blocks[i]
+            if num_blocks[i] > written:
+                block_table[i, written:num_blocks[i]] = block_id_lists[i][written:] if written else block_id_lists[i]
+        row_owner[:num_reqs] = requests
+        row_num_blocks[:num_reqs] = num_blocks
     for i in range(num_reqs, len(row_owner)):
         if row_owner[i] is None:
             break
         row_owner[i] = None
     # ---- persistent block-table rows (end) ----
-    block_idx = positions[:num_tokens] // block_size
+    max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
+    if max_seq_len > bufs.max_blocks_per_req * block_size:
+        raise IndexError(f"a sequence of {max_seq_len} tokens exceeds the block table's "
+                         f"{bufs.max_blocks_per_req} blocks of {block_size}")
+    token_positions = positions[:num_tokens]
+    # Flat index into the block table: row * width + block index of the position.
+    flat_index = np.floor_divide(token_positions, block_size)
+    flat_index += (arange[:num_reqs] if decode_only else token_to_req[:num_tokens]) * bufs.max_blocks_per_req
     slot = bufs.slot_mapping.np
-    slot[:num_tokens] = block_table[token_to_req[:num_tokens], block_idx].astype(np.int64) * block_size \
-        + positions[:num_tokens] % block_size
+    np.multiply(block_table.ravel()[flat_index], block_size, out=slot[:num_tokens])
+    slot[:num_tokens] += token_positions % block_size
     if padded > num_tokens:
         slot[num_tokens:padded] = -1
         input_ids[num_tokens:padded] = 0
         positions[num_tokens:padded] = 0
         if padded_reqs > num_reqs:
-            token_to_req[num_tokens:padded] = np.arange(num_reqs, padded_reqs, dtype=np.int32)
+            token_to_req[num_tokens:padded] = arange[num_reqs:padded_reqs]
         else:
             token_to_req[num_tokens:padded] = max(num_reqs - 1, 0)
     if padded_reqs > num_reqs:
-        qsl[num_reqs + 1:padded_reqs + 1] = np.arange(num_tokens + 1, padded + 1, dtype=np.int32)
-        bufs.seq_lens.np[num_reqs:padded_reqs] = 0
+        qsl[num_reqs + 1:padded_reqs + 1] = arange[num_tokens + 1:padded + 1]
+        seq_lens[num_reqs:padded_reqs] = 0
         bufs.num_computed_tokens.np[num_reqs:padded_reqs] = 0
 
-    sample_requests = list(so.requests) if all(so.samples) else [req for req, s in zip(so.requests, so.samples) if s]
+    all_sample = all(so.samples)
+    sample_requests = list(requests) if all_sample else [req for req, s in zip(requests, so.samples) if s]
     sample_rows_np = bufs.logits_indices.np
-    if len(sample_requests) == num_reqs:
-        n_sample = num_reqs
+    n_sample = len(sample_requests)
+    if all_sample:
         np.subtract(qsl[1:num_reqs + 1], 1, out=sample_rows_np[:num_reqs])
     else:
         sampling_idx = np.flatnonzero(np.asarray(so.samples, dtype=bool))
-        n_sample = len(sampling_idx)
         sample_rows_np[:n_sample] = qsl[sampling_idx + 1] - 1
+
+    # Rows whose owners did not change keep asking (or not) for prompt logprobs: a steady batch with none
+    # skips the per-request check.
+    if same_owners and num_reqs <= bufs.num_rows_without_prompt_logprobs:
+        asks_prompt_logprobs = False
+    else:
+        asks_prompt_logprobs = any(p.prompt_logprobs is not None for p in _distinct_params(requests))
+        bufs.num_rows_without_prompt_logprobs = 0 if asks_prompt_logprobs else num_reqs
 
     attn = CommonAttentionMetadata(
         num_reqs=padded_reqs, num_tokens=num_tokens,
-        max_query_len=int(scheduled.max()) if num_reqs else 0,
-        max_seq_len=int(bufs.seq_lens.np[:num_reqs].max()) if num_reqs else 0,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
         block_size=block_size,
         query_start_loc=bufs.query_start_loc.to_device(padded_reqs + 1),
         seq_lens=bufs.seq_lens.to_device(padded_reqs),
         num_computed_tokens=bufs.num_computed_tokens.to_device(padded_reqs),
         block_table=_block_table_to_device(bufs, padded_reqs, max_blocks),
         slot_mapping=bufs.slot_mapping.to_device(padded),
-        query_start_loc_cpu=bufs.query_start_loc.cpu[:padded_reqs + 1],
-        seq_lens_cpu=bufs.seq_lens.cpu[:padded_reqs],
-        num_computed_tokens_cpu=bufs.num_computed_tokens.cpu[:padded_reqs],
-        block_table_cpu=bufs.block_table.cpu[:padded_reqs, :max_blocks],
+        query_start_loc_cpu=bufs.query_start_loc.host(padded_reqs + 1),
+        seq_lens_cpu=bufs.seq_lens.host(padded_reqs),
+        num_computed_tokens_cpu=bufs.num_computed_tokens.host(padded_reqs),
+        block_table_cpu=bufs.block_table.host(padded_reqs, max_blocks),
     )
     return StepBatch(
         num_tokens=num_tokens, num_padded_tokens=padded,
         input_ids=bufs.input_ids.to_device(padded), positions=bufs.positions.to_device(padded),
         token_to_req=bufs.token_to_req.to_device(padded),
-        token_to_req_cpu=token_to_req[:num_tokens], positions_cpu=positions[:num_tokens],
+        token_to_req_cpu=token_to_req[:num_tokens], positions_cpu=token_positions,
         attn=attn, sample_requests=sample_requests,
         sample_rows=bufs.logits_indices.to_device(n_sample),
-        prompt_logprob_rows=_prompt_logprob_rows(so, qsl),
+        prompt_logprob_rows=_prompt_logprob_rows(so, qsl) if asks_prompt_logprobs else [],
         pending_rows=pending_rows, pending_token_index=qsl[pending_rows + 1].astype(np.int64) - 1,
     )
 
 
 def _block_table_to_device(bufs: StepBuffers, num_reqs: int, max_blocks: int) -> torch.Tensor:
-    """Copy only the used rows; the column count stays the full width so device shapes are stable."""
+    """Copy only the used rows; on a device the column count stays the full width so shapes are stable."""
     table = bufs.block_table
     if table.device is table.cpu:
-        return table.cpu[:num_reqs, :max_blocks]
-    table.device[:num_reqs].copy_(table.cpu[:num_reqs], non_blocking=True)
-    return table.device[:num_reqs]
+        return table.host(num_reqs, max_blocks)
+    return table.to_device(num_reqs)
+
+
+def _distinct_params(requests: list[Request]) -> list[SamplingParams]:
+    """The distinct SamplingParams objects of `requests`: requests of one generate() call share one."""
+    params = list(map(_sampling_params, requests))
+    return list(dict(zip(map(id, params), params)).values())
 
 
 def _prompt_logprob_rows(so: SchedulerOutput, qsl: np.ndarray) -> list[PromptLogprobRows]:
     out: list[PromptLogprobRows] = []
-    # Requests of one generate() call share a SamplingParams object: check each distinct one once.
-    params = list(map(_sampling_params, so.requests))
-    params_by_id = dict(zip(map(id, params), params))
-    if all(p.prompt_logprobs is None for p in params_by_id.values()):
-        return out
     for i, req in enumerate(so.requests):
         if req.sampling_params.prompt_logprobs is None:
             continue

@@ -15,13 +15,41 @@ class HostDeviceBuffer:
         self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.np: np.ndarray = self.cpu.numpy()
         self.device = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+        # Views of the leading rows, kept for the sizes used lately: slicing a tensor costs about a
+        # microsecond and a step takes a dozen views, mostly of the same sizes as the step before. Views
+        # share the buffers' memory, so a kept one stays valid.
+        self._host_views: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._device_views: dict[int, torch.Tensor] = {}
+
+    def host(self, n: int, num_cols: int | None = None) -> torch.Tensor:
+        """The host view of the first n rows (and, for a 2-D buffer, the first num_cols columns)."""
+        key = (n, num_cols)
+        view = self._host_views.get(key)
+        if view is None:
+            _make_room(self._host_views)
+            view = self._host_views[key] = self.cpu[:n] if num_cols is None else self.cpu[:n, :num_cols]
+        return view
 
     def to_device(self, n: int) -> torch.Tensor:
         """Copy the first n rows to the device (asynchronously on CUDA) and return the device view."""
+        host = self.host(n)
         if self.device is self.cpu:
-            return self.cpu[:n]
-        self.device[:n].copy_(self.cpu[:n], non_blocking=True)
-        return self.device[:n]
+            return host
+        device = self._device_views.get(n)
+        if device is None:
+            _make_room(self._device_views)
+            device = self._device_views[n] = self.device[:n]
+        device.copy_(host, non_blocking=True)
+        return device
+
+
+_MAX_KEPT_VIEWS = 8
+
+
+def _make_room(views: dict) -> None:
+    """Bound the kept views: sizes vary freely across prefill steps, so start over when the cache is full."""
+    if len(views) >= _MAX_KEPT_VIEWS:
+        views.clear()
 
 
 class StepBuffers:
@@ -44,12 +72,17 @@ class StepBuffers:
         self.num_computed_tokens = buf((max_num_reqs,), torch.int32)
         self.block_table = buf((max_num_reqs, max_blocks_per_req), torch.int32)
         self.logits_indices = buf((max_num_tokens,), torch.int64)
+        # 0, 1, 2, ...: sliced for query offsets, row indices and padding instead of a new arange per step.
+        self.arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
         # Which request's block ids each block-table row holds, and how many (see batch.py): rows of a
         # request that stays at its row only get its new blocks written.
         self.row_owner: list[object | None] = [None] * max_num_reqs
         self.row_num_blocks: list[int] = [0] * max_num_reqs
+        # The leading rows known to hold no request asking for prompt logprobs, while their owners stay.
+        self.num_rows_without_prompt_logprobs = 0
 
     def invalidate_rows(self) -> None:
         """Forget row ownership after the host block table was written by anything but build_step_batch."""
         self.row_owner = [None] * self.max_num_reqs
         self.row_num_blocks = [0] * self.max_num_reqs
+        self.num_rows_without_prompt_logprobs = 0

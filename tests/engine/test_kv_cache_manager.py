@@ -196,3 +196,56 @@ def test_prefix_caching_disabled() -> None:
     admit(kv, req("a", tokens))
     assert kv.get_computed_blocks(req("b", tokens)) == ([], 0)
     assert kv.block_pool.num_cached_blocks == 0 and kv.prefix_cache_queries == 0
+
+
+def _kv_state(kv: KVCacheManager, requests: list[Request]) -> tuple:
+    pool = kv.block_pool
+    return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], pool.num_free_blocks, pool.num_cached_blocks,
+            [(list(r.block_ids), [b.block_id for b in kv.get_blocks(r)], len(r.block_hashes)) for r in requests],
+            kv.prefix_cache_queries, kv.prefix_cache_hits)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_no_work_limit_means_allocate_slots_would_change_nothing(seed: int, prefix: bool) -> None:
+    """Below a request's no_work_limits entry, allocate_slots returns True and changes nothing (the
+    scheduler skips the call there); checked on random decodes, chunks and pending tokens."""
+    rng = random.Random(seed)
+    kv = make(num_blocks=48, prefix=prefix)
+    shared = [rng.randrange(50) for _ in range(3 * BS)]
+    requests: list[Request] = []
+    checked = 0
+    for step in range(400):
+        if len(requests) < 4 and rng.random() < 0.3:
+            r = req(f"r{step}", (shared if rng.random() < 0.5 else [])[:rng.randint(0, 3 * BS)]
+                    + [rng.randrange(50) for _ in range(rng.randint(1, 10))])
+            r.publish_prefix_cache = rng.random() < 0.8
+            blocks, num_cached = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, r.num_tokens - num_cached, blocks):
+                r.num_computed_tokens = r.num_tokens
+                requests.append(r)
+            continue
+        if not requests:
+            continue
+        r = rng.choice(requests)
+        if rng.random() < 0.05 or r.num_tokens > 60:
+            kv.free(r)
+            requests.remove(r)
+            assert r.request_id not in kv.no_work_limits
+            continue
+        if rng.random() < 0.7:
+            r.append_output_token(rng.randrange(50))
+        pending = 1 if rng.random() < 0.4 else 0      # a token sampled by a step in flight
+        num_new = r.num_tokens + pending - r.num_computed_tokens
+        if num_new < 1:
+            continue
+        total = r.num_computed_tokens + num_new
+        if total <= kv.no_work_limits.get(r.request_id, 0):
+            before = _kv_state(kv, requests)
+            assert kv.allocate_slots(r, num_new)
+            assert _kv_state(kv, requests) == before
+            checked += 1
+        elif not kv.allocate_slots(r, num_new):
+            continue
+        r.num_computed_tokens = total - pending
+    assert checked > 50

@@ -420,3 +420,73 @@ def test_stop_conditions() -> None:
     setup.scheduler.add_request(capped)
     run_to_completion(setup, [])
     assert capped.num_tokens == 14 and capped.finish_reason == "length"
+
+
+class _NoShortcutKV(KVCacheManager):
+    """A KV manager that offers the scheduler no call-free decodes: every step goes through allocate_slots."""
+
+    @property
+    def no_work_limits(self) -> dict[str, int]:
+        return {}
+
+
+def _drive(scheduler: Scheduler, arrivals: list[tuple[int, Request]], ahead: bool) -> list[tuple]:
+    """Run to completion, stepping ahead (the next step scheduled before this one's tokens are applied) when
+    `ahead`; sampled tokens are fake_token at the sampled position. Returns every step's schedule."""
+    pending = sorted(arrivals, key=lambda item: item[0])
+    log = []
+    in_flight: SchedulerOutput | None = None
+    t = 0
+    while pending or scheduler.has_unfinished_requests() or in_flight is not None:
+        while pending and pending[0][0] <= t:
+            scheduler.add_request(pending.pop(0)[1])
+        current, in_flight = in_flight, None
+        if current is None:
+            current = scheduler.schedule()
+            log.append(current)
+        if ahead and not scheduler.ahead_blocked:
+            in_flight = scheduler.schedule(ahead=True)
+            log.append(in_flight)
+            in_flight = None if in_flight.is_empty else in_flight
+        if not current.is_empty:
+            out = ModelRunnerOutput()
+            for request, n, start, samples in zip(current.requests, current.num_scheduled_tokens,
+                                                  current.num_computed_tokens, current.samples):
+                if samples:
+                    out.sampled_token_ids[request.request_id] = fake_token(request.request_id, start + n)
+            scheduler.update_from_output(current, out)
+        t += 1
+        assert t < 5000
+    return [([r.request_id for r in so.requests], so.num_scheduled_tokens, so.num_computed_tokens, so.samples,
+             sorted(so.preempted_request_ids), sorted(so.finished_request_ids)) for so in log]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", range(2))
+def test_decode_shortcut_schedules_like_allocate_slots(config: str, seed: int, ahead: bool) -> None:
+    """The scheduler's call-free decode path (KVCacheManager.no_work_limits) against the same scheduler
+    calling allocate_slots for every request: the same steps, tokens, preemptions and prefix-cache hits."""
+    results = []
+    for kv_class in (KVCacheManager, _NoShortcutKV):
+        rng = random.Random(seed * 1000 + len(config))
+        options = dict(CONFIGS[config])
+        pool = BlockPool(options["num_blocks"], options["prefix"])
+        kv = kv_class(pool, 4, options["prefix"])
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=rng.choice([2, 5, 8]),
+                                              max_num_batched_tokens=options["budget"],
+                                              enable_chunked_prefill=options["chunked"]),
+                              CacheConfig(block_size=4, enable_prefix_caching=options["prefix"]), kv, MAX_MODEL_LEN)
+        workload = random_workload(rng, num_requests=30, max_prompt=40, max_tokens=24, shared_prefixes=True)
+        if ahead:   # only requests that can step ahead: no min_tokens
+            for _, request in workload:
+                request.sampling_params.min_tokens = 0
+        log = _drive(scheduler, workload, ahead)
+        for _, request in workload:
+            tokens, reason = expected_generation(request.request_id, request.prompt_token_ids, request.sampling_params)
+            assert request.output_token_ids == tokens and request.finish_reason == reason
+            assert request.num_pending_tokens == 0
+        results.append((log, [(r.output_token_ids, r.num_cached_tokens, r.num_preemptions) for _, r in workload],
+                        scheduler.num_preemptions, scheduler.prefix_cache_hit_tokens, scheduler.total_prompt_tokens,
+                        scheduler.total_generated_tokens, kv.prefix_cache_hits, pool.num_cached_blocks))
+    assert results[0] == results[1]
