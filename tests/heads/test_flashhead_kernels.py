@@ -51,7 +51,13 @@ CHECK = textwrap.dedent("""
             keys[0, 10:20] = 0.5                     # ties at the threshold: the lowest ids win
             keys[-1] = keys[-1].round()
             crowded = (torch.randn(2, 9000 + 500 * seed, device=device) * 2).round() / 2  # buckets > 512 keys
-            for probes, batch in [(p, keys) for p in (1, 7, 64, 299)] + [(p, crowded) for p in (1, 700, 2999)]:
+            # several select programs per row; the second row's threshold bucket holds ~300 keys (ranked in
+            # more than one tile), with ties among them
+            spread = torch.randn(2, 5000 + 300 * seed, device=device)
+            spread[1] = -spread[1].abs() - 1
+            spread[1, 7::16] = 1.0 + (torch.rand(spread[1, 7::16].shape, device=device) * 10).round() / 100
+            for probes, batch in ([(p, keys) for p in (1, 7, 64, 299)] + [(p, crowded) for p in (1, 700, 2999)]
+                                  + [(p, spread) for p in (1, 100, 256, 2500)]):
                 got = k.select_triton(batch, probes, num_warps=4)
                 for r in range(batch.shape[0]):
                     g, kth = got[r].sort().values, batch[r].topk(probes).values[-1]   # order unspecified

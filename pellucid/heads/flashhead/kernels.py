@@ -4,10 +4,12 @@ Stage 1 scores every cluster: keys[r, c] = (hidden[r] . centroid[c]) * scale[r] 
 head passes scale = 1 / temperature and Gumbel noise for sampled rows (no scale, no noise for greedy rows)
 so one top-p over the keys both ranks clusters (greedy) and draws them without replacement (sampling).
 Selection keeps the p largest keys per row with an exact radix select: stage 1's many programs histogram
-each key's first 12 bits, then one program per row finds the bucket of the p-th largest key and resolves
-the few keys in it with 8-bit passes. Stage 2 gathers the rows of the chosen clusters (stored contiguously per cluster,
-[C, S, H]) and computes their exact logits; padding slots come back as -inf with token id -1. For greedy
-rows stage 2 instead reduces straight to the argmax token (`greedy_tokens`), so no logits are written.
+each key's first 12 bits; then every select program (one per 2,048 keys of a row) finds the bucket of the
+p-th largest key, lists its keys above that bucket and appends its keys in the bucket to scratch, and
+the row's last program concatenates the lists and ranks the bucket's few keys. Stage 2 gathers the rows
+of the chosen clusters (stored contiguously per cluster, [C, S, H]) and computes their exact logits;
+padding slots come back as -inf with token id -1. For greedy rows stage 2 instead reduces straight to the
+argmax token (`greedy_tokens`), so no logits are written.
 
 No kernel allocates anything that depends on device values or syncs with the host, so the head can be
 captured in a CUDA graph. Shapes: hidden [R, H], centroids [C, H], clusters [R, P] int64.
@@ -154,87 +156,119 @@ if triton is not None:
         return above_before + tl.sum(above.to(tl.int32), axis=0), tied_before + tl.sum(tied.to(tl.int32), axis=0)
 
     @triton.jit
-    def _select_from_histogram_kernel(keys_ptr, hist_ptr, scratch_ptr, out_ptr, num_clusters, stride_keys,
-                                      stride_out, PROBES: tl.constexpr, CHUNK: tl.constexpr,
-                                      SMALL: tl.constexpr, DIGIT_SHIFT: tl.constexpr):
-        """Indices of the PROBES largest keys of one row (ties: lowest index first), order unspecified.
-
-        Exact radix select on order-preserving 32-bit patterns of the keys. The top 32 - DIGIT_SHIFT bits
-        were histogrammed by the many programs of stage 1, so this program starts from the bucket holding
-        the PROBES-th largest key. Usual case, one pass over the row: keys in higher buckets go straight
-        to the output, the bucket's keys and ids (at most SMALL) to scratch, where the remaining 8-bit
-        passes find the threshold among them. A crowded bucket takes the passes over the whole row and
-        then a scan that places the keys above the threshold and the first ties.
-        """
-        row = tl.program_id(0)
-        NUM_BINS: tl.constexpr = 1 << (32 - DIGIT_SHIFT)
-        PASSES: tl.constexpr = (DIGIT_SHIFT + 7) // 8   # 8-bit digits below the histogrammed ones
+    def _threshold_bucket(hist_row_ptr, PROBES: tl.constexpr, NUM_BINS: tl.constexpr):
+        """(bucket of the PROBES-th largest key, keys in higher buckets, keys in the bucket) from the row's
+        first-digit histogram; fewer than PROBES keys lie above the bucket, so at least one comes from it."""
         bins = tl.arange(0, NUM_BINS)
-        hist = tl.load(hist_ptr + row * NUM_BINS + bins)
+        hist = tl.load(hist_row_ptr + bins)
         at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
         bucket = tl.max(tl.where(at_or_above >= PROBES, bins, 0), axis=0)
-        need = PROBES - tl.sum(tl.where(bins > bucket, hist, 0), axis=0)   # taken from the bucket, >= 1
+        above = tl.sum(tl.where(bins > bucket, hist, 0), axis=0)
         in_bucket = tl.sum(tl.where(bins == bucket, hist, 0), axis=0)
-        prefix = bucket << DIGIT_SHIFT
+        return bucket, above, in_bucket
+
+    @triton.jit
+    def _select_kernel(keys_ptr, hist_ptr, counters_ptr, lists_ptr, list_counts_ptr, scratch_ptr, out_ptr,
+                       num_clusters, stride_keys, stride_out,
+                       PROBES: tl.constexpr, SEGMENT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+                       SEGMENTS_P2: tl.constexpr, LIST: tl.constexpr, SMALL: tl.constexpr,
+                       RANK_TILE: tl.constexpr, ROW_CHUNK: tl.constexpr, DIGIT_SHIFT: tl.constexpr):
+        """Indices of the PROBES largest keys of a row (ties: lowest index first), order unspecified but
+        deterministic: the keys above the threshold bucket in index order, then the bucket's picks.
+
+        Exact radix select on order-preserving 32-bit patterns of the keys, spread over the row: stage 1
+        histogrammed the keys' top 32 - DIGIT_SHIFT bits, so every program (one per SEGMENT keys) knows
+        the bucket holding the PROBES-th largest key. Each writes its keys of higher buckets (all taken)
+        to its own list and appends its keys of that bucket (key bits high, 2^31-1-index low: unique,
+        larger = taken first) to the row's scratch. The row's last program to finish (a ticket counter)
+        concatenates the lists and ranks the bucket's keys by counting; a bucket of more than SMALL keys
+        (e.g. many equal keys) takes 8-bit radix passes over the whole row instead: slower, same set.
+        counters [rows, 2] (scratch fill, ticket) must be zero at launch."""
+        segment = tl.program_id(0)
+        row = tl.program_id(1)
+        NUM_BINS: tl.constexpr = 1 << (32 - DIGIT_SHIFT)
         keys_row = keys_ptr + row * stride_keys
-        out_row = out_ptr + row * stride_out
-        lanes = tl.arange(0, CHUNK)
-        if in_bucket <= SMALL:
-            scratch_keys = scratch_ptr + row * 2 * SMALL
-            scratch_ids = scratch_keys + SMALL
-            above_seen = tl.full((), 0, tl.int32)
-            copied = tl.full((), 0, tl.int32)
-            for copy_start in range(0, num_clusters, CHUNK):
-                copy_offs = copy_start + lanes
-                copy_key = _ordered_uint32(tl.load(keys_row + copy_offs, mask=copy_offs < num_clusters, other=0.0))
-                digit = (copy_key >> DIGIT_SHIFT) & (NUM_BINS - 1)
-                higher = (copy_offs < num_clusters) & (digit > bucket)
-                mine = (copy_offs < num_clusters) & (digit == bucket)
-                # One scan for both running counts: higher keys in the low 16 bits, the bucket's in the high.
-                counts = tl.cumsum(higher.to(tl.int32) + (mine.to(tl.int32) << 16), axis=0)
-                tl.store(out_row + above_seen + (counts & 0xFFFF) - 1, copy_offs.to(tl.int64), mask=higher)
-                slot = copied + (counts >> 16) - 1
-                tl.store(scratch_keys + slot, copy_key, mask=mine)
-                tl.store(scratch_ids + slot, copy_offs, mask=mine)
-                above_seen += tl.sum(higher.to(tl.int32), axis=0)
-                copied += tl.sum(mine.to(tl.int32), axis=0)
-            tl.debug_barrier()   # the scratch written above is read back by other threads of this program
-            small = tl.arange(0, SMALL)
-            present = small < in_bucket
-            small_key = tl.load(scratch_keys + small, mask=present, other=0)
-            for small_step in tl.static_range(PASSES):
-                small_shift = 8 * (PASSES - 1 - small_step)
-                small_match = present & (((small_key ^ prefix) >> (small_shift + 8)) == 0)
-                need, prefix = _radix_step(tl.histogram((small_key >> small_shift) & 255, 256, mask=small_match),
-                                           need, prefix, small_shift)
-            # back to signed order for the compares; scratch holds the bucket in index order, so the
-            # first ties are the lowest ids
-            signed_key = small_key ^ (-2147483648)
-            threshold = prefix ^ (-2147483648)
-            _place_above_and_ties(out_row, tl.load(scratch_ids + small, mask=present, other=0),
-                                  present & (signed_key > threshold), present & (signed_key == threshold), need,
-                                  above_seen, tl.full((), 0, tl.int32))
-        else:  # a crowded bucket (e.g. many equal keys): the same passes over the whole row, then a scan
-            for row_step in tl.static_range(PASSES):
-                row_shift = 8 * (PASSES - 1 - row_step)
-                row_hist = tl.zeros((256,), dtype=tl.int32)
-                for row_start in range(0, num_clusters, CHUNK):
-                    row_offs = row_start + lanes
-                    row_key = _ordered_uint32(tl.load(keys_row + row_offs, mask=row_offs < num_clusters, other=0.0))
-                    # the bucket's bits (DIGIT_SHIFT up) and the digits found so far (shift + 8 up)
-                    row_match = ((row_offs < num_clusters) & (((row_key ^ prefix) >> DIGIT_SHIFT) == 0)
-                                 & (((row_key ^ prefix) >> (row_shift + 8)) == 0))
-                    row_hist += tl.histogram((row_key >> row_shift) & 255, 256, mask=row_match)
-                need, prefix = _radix_step(row_hist, need, prefix, row_shift)
-            row_threshold = prefix ^ (-2147483648)
-            placed = tl.full((), 0, tl.int32)
-            tied_seen = tl.full((), 0, tl.int32)
-            for start in range(0, num_clusters, CHUNK):
-                offs = start + lanes
-                valid = offs < num_clusters
-                key = _ordered_int32(tl.load(keys_row + offs, mask=valid, other=0.0))
-                placed, tied_seen = _place_above_and_ties(out_row, offs, valid & (key > row_threshold),
-                                                          valid & (key == row_threshold), need, placed, tied_seen)
+        offs = segment * SEGMENT + tl.arange(0, SEGMENT)
+        valid = offs < num_clusters
+        raw = tl.load(keys_row + offs, mask=valid, other=0.0)   # in flight with the histogram's load
+        bucket, above_total, in_bucket = _threshold_bucket(hist_ptr + row * NUM_BINS, PROBES, NUM_BINS)
+        need = PROBES - above_total   # keys taken from the bucket, >= 1
+        digit = (_ordered_uint32(raw) >> DIGIT_SHIFT) & (NUM_BINS - 1)
+        higher = valid & (digit > bucket)
+        mine = valid & (digit == bucket)
+        # One scan for both running counts: higher keys in the low 16 bits, the bucket's in the high.
+        counts = tl.cumsum(higher.to(tl.int32) + (mine.to(tl.int32) << 16), axis=0)
+        tl.store(lists_ptr + (row * NUM_SEGMENTS + segment) * LIST + (counts & 0xFFFF) - 1, offs, mask=higher)
+        tl.store(list_counts_ptr + row * NUM_SEGMENTS + segment, tl.sum(higher.to(tl.int32), axis=0))
+        counters_row = counters_ptr + row * 2
+        first_slot = tl.atomic_add(counters_row, tl.sum(mine.to(tl.int32), axis=0), sem="relaxed")
+        slot = first_slot + (counts >> 16) - 1
+        packed = (_ordered_int32(raw).to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+        tl.store(scratch_ptr + row * SMALL + slot, packed, mask=mine & (slot < SMALL))
+        tl.debug_barrier()   # every thread's stores precede the ticket's release
+        ticket = tl.atomic_add(counters_row + 1, 1, sem="acq_rel")
+        if ticket == NUM_SEGMENTS - 1:
+            # The last program: every other program's lists and scratch are visible (acquire; loads
+            # bypass L1 with .cg all the same). All three loads are issued before any is used, so the
+            # finish costs one round trip to L2.
+            out_row = out_ptr + row * stride_out
+            segments = tl.arange(0, SEGMENTS_P2)
+            lane = tl.arange(0, LIST)
+            listed = tl.load(list_counts_ptr + row * NUM_SEGMENTS + segments, mask=segments < NUM_SEGMENTS,
+                             other=0, cache_modifier=".cg")
+            ids = tl.load(lists_ptr + (row * NUM_SEGMENTS + segments[:, None]) * LIST + lane[None, :],
+                          mask=(segments < NUM_SEGMENTS)[:, None], other=0, cache_modifier=".cg")
+            tile = tl.arange(0, RANK_TILE)
+            scratch_row = scratch_ptr + row * SMALL
+            first_tile = tl.load(scratch_row + tile, mask=tile < in_bucket, other=-9223372036854775807 - 1,
+                                 cache_modifier=".cg")
+            start = tl.cumsum(listed, axis=0) - listed
+            take = (segments < NUM_SEGMENTS)[:, None] & (lane[None, :] < listed[:, None])
+            tl.store(out_row + start[:, None] + lane[None, :], ids.to(tl.int64), mask=take)
+            # The bucket: rank = how many of its packed keys are larger; the `need` smallest ranks win.
+            if in_bucket <= RANK_TILE:   # the usual case: one tile against itself
+                rank = tl.sum((first_tile[None, :] > first_tile[:, None]).to(tl.int32), axis=1)
+                index = 2147483647 - (first_tile & 0xFFFFFFFF)
+                tl.store(out_row + above_total + rank, index, mask=(tile < in_bucket) & (rank < need))
+            elif in_bucket <= SMALL:
+                for i0 in range(0, in_bucket, RANK_TILE):
+                    present = (i0 + tile) < in_bucket
+                    candidate = tl.load(scratch_row + i0 + tile, mask=present, other=0, cache_modifier=".cg")
+                    rank = tl.zeros((RANK_TILE,), dtype=tl.int32)
+                    for j0 in range(0, in_bucket, RANK_TILE):
+                        other = tl.load(scratch_row + j0 + tile, mask=(j0 + tile) < in_bucket,
+                                        other=-9223372036854775807 - 1, cache_modifier=".cg")
+                        rank += tl.sum((other[None, :] > candidate[:, None]).to(tl.int32), axis=1)
+                    index = 2147483647 - (candidate & 0xFFFFFFFF)
+                    tl.store(out_row + above_total + rank, index, mask=present & (rank < need))
+            else:  # a crowded bucket: 8-bit passes over the whole row, then a scan placing the bucket's picks
+                PASSES: tl.constexpr = (DIGIT_SHIFT + 7) // 8
+                prefix = bucket << DIGIT_SHIFT
+                lanes = tl.arange(0, ROW_CHUNK)
+                for row_step in tl.static_range(PASSES):
+                    row_shift = 8 * (PASSES - 1 - row_step)
+                    row_hist = tl.zeros((256,), dtype=tl.int32)
+                    for row_start in range(0, num_clusters, ROW_CHUNK):
+                        row_offs = row_start + lanes
+                        row_key = _ordered_uint32(tl.load(keys_row + row_offs, mask=row_offs < num_clusters,
+                                                          other=0.0))
+                        # the bucket's bits (DIGIT_SHIFT up) and the digits found so far (shift + 8 up)
+                        row_match = ((row_offs < num_clusters) & (((row_key ^ prefix) >> DIGIT_SHIFT) == 0)
+                                     & (((row_key ^ prefix) >> (row_shift + 8)) == 0))
+                        row_hist += tl.histogram((row_key >> row_shift) & 255, 256, mask=row_match)
+                    need, prefix = _radix_step(row_hist, need, prefix, row_shift)
+                threshold = prefix ^ (-2147483648)
+                placed = above_total
+                tied_seen = tl.full((), 0, tl.int32)
+                for place_start in range(0, num_clusters, ROW_CHUNK):
+                    place_offs = place_start + lanes
+                    place_valid = place_offs < num_clusters
+                    place_raw = tl.load(keys_row + place_offs, mask=place_valid, other=0.0)
+                    place_key = _ordered_int32(place_raw)
+                    in_bucket_lane = ((_ordered_uint32(place_raw) >> DIGIT_SHIFT) & (NUM_BINS - 1)) == bucket
+                    placed, tied_seen = _place_above_and_ties(
+                        out_row, place_offs, place_valid & in_bucket_lane & (place_key > threshold),
+                        place_valid & (place_key == threshold), need, placed, tied_seen)
 
     @triton.jit
     def _stage2_tile(hidden_ptr, weight_ptr, ids_ptr, clusters_ptr, row, pid_p, num_probes, hidden_size,
@@ -250,6 +284,8 @@ if triton is not None:
         cluster = tl.load(clusters_ptr + row * stride_clusters + probe, mask=mask_t, other=0)
         weight_row = (cluster * SIZE + slot).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
+        # issued before the weight loop, so its latency hides behind the weight loads
+        token = tl.load(ids_ptr + weight_row, mask=mask_t, other=-1)
         acc = tl.zeros((BLOCK_P * SIZE_P2,), dtype=tl.float32)
         for h0 in range(0, hidden_size, BLOCK_H):
             mask_h = (h0 + offs_h) < hidden_size
@@ -257,7 +293,6 @@ if triton is not None:
             w = tl.load(weight_ptr + weight_row[:, None] * hidden_size + h0 + offs_h[None, :],
                         mask=mask_t[:, None] & mask_h[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        token = tl.load(ids_ptr + weight_row, mask=mask_t, other=-1)
         logits = tl.where(token >= 0, acc, float("-inf"))
         return logits, token, probe, slot, mask_t
 
@@ -313,8 +348,17 @@ def _require_triton() -> None:
 # one program to finish the select on a copy of them.
 DIGIT_SHIFT = 20
 NUM_BINS = 1 << (32 - DIGIT_SHIFT)
-SELECT_SMALL = 512    # the bucket copied to scratch when it holds at most this many keys
-SELECT_CHUNK = 8192   # keys per loop step of the select program (32 per thread at 8 warps)
+SELECT_SEGMENT = 2048  # keys per select program (8 per thread at 8 warps)
+SELECT_SMALL = 512     # the bucket is ranked from scratch when it holds at most this many keys
+SELECT_RANK_TILE = 128  # packed keys compared per side in one step of the ranking
+SELECT_CHUNK = 8192    # keys per loop step of a crowded bucket's passes over the row
+
+
+def selection_workspace(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed (digit histogram [rows, NUM_BINS], select counters [rows, 2]) int32, one allocation so one
+    memset: the histogram for `stage1_triton(histogram=...)`, both for `select_from_histogram_triton`."""
+    flat = torch.zeros(rows * (NUM_BINS + 2), dtype=torch.int32, device=device)
+    return flat[:rows * NUM_BINS].view(rows, NUM_BINS), flat[rows * NUM_BINS:].view(rows, 2)
 
 
 def selection_histogram(rows: int, device: torch.device) -> torch.Tensor:
@@ -353,37 +397,41 @@ def stage1_triton(hidden: torch.Tensor, centroids: torch.Tensor, scale: torch.Te
     return out
 
 
-def _stage2_blocks(rows: int, size: int, hidden_size: int, block_p: int | None,
-                   block_h: int | None) -> tuple[int, int]:
+def _stage2_blocks(rows: int, size: int, hidden_size: int, block_p: int | None, block_h: int | None,
+                   num_warps: int | None) -> tuple[int, int, int]:
     # Measured on an H100 (Qwen3-0.6B / Llama-3.2-1B head shapes, S = 16, 2026-11-23): two clusters per
     # program at every batch; below batch 8 the whole hidden vector (up to 1024) per load, 256 from 8 on.
+    # 8 warps below batch 8: at 4 the [32, 1024] tile spills registers (ptxas: 776-byte stack frame).
     size_p2 = triton.next_power_of_2(size)
     if block_p is None:
         block_p = max(1, 32 // size_p2)
     if block_h is None:
         block_h = min(triton.next_power_of_2(hidden_size), 1024 if rows < 8 else 256)
+    if num_warps is None:
+        num_warps = 8 if rows < 8 else 4
     # tl.arange needs powers of two (the CPU interpreter does not check, the GPU compiler does)
     if block_p & (block_p - 1) or block_h & (block_h - 1):
         raise ValueError(f"stage 2 block_p and block_h must be powers of two, got {block_p}, {block_h}")
-    return block_p, block_h
+    return block_p, block_h, num_warps
 
 
 def _stage2_inputs(hidden: torch.Tensor, cluster_weight: torch.Tensor, clusters: torch.Tensor,
-                   block_p: int | None, block_h: int | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+                   block_p: int | None, block_h: int | None, num_warps: int | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """The contiguous tensors and the blocks both stage-2 kernels launch with."""
     _require_triton()
     hidden, cluster_weight, clusters = hidden.contiguous(), cluster_weight.contiguous(), clusters.contiguous()
     _, size, hidden_size = cluster_weight.shape
-    block_p, block_h = _stage2_blocks(clusters.shape[0], size, hidden_size, block_p, block_h)
-    return hidden, cluster_weight, clusters, block_p, block_h
+    block_p, block_h, num_warps = _stage2_blocks(clusters.shape[0], size, hidden_size, block_p, block_h,
+                                                 num_warps)
+    return hidden, cluster_weight, clusters, block_p, block_h, num_warps
 
 
 def stage2_triton(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_token_ids: torch.Tensor,
                   clusters: torch.Tensor, block_p: int | None = None, block_h: int | None = None,
-                  num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden, cluster_weight, clusters, block_p, block_h = _stage2_inputs(hidden, cluster_weight, clusters,
-                                                                        block_p, block_h)
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, cluster_weight, clusters, block_p, block_h, num_warps = _stage2_inputs(
+        hidden, cluster_weight, clusters, block_p, block_h, num_warps)
     rows, probes = clusters.shape
     size, hidden_size = cluster_weight.shape[1:]
     logits = torch.empty(rows, probes * size, dtype=torch.float32, device=hidden.device)
@@ -421,20 +469,32 @@ def histogram_triton(keys: torch.Tensor, block_c: int = 256) -> torch.Tensor:
 
 
 def select_from_histogram_triton(keys: torch.Tensor, histogram: torch.Tensor, probes: int,
-                                 num_warps: int = 8, chunk: int = SELECT_CHUNK) -> torch.Tensor:
+                                 num_warps: int = 8, counters: torch.Tensor | None = None,
+                                 segment: int = SELECT_SEGMENT) -> torch.Tensor:
     """Cluster ids [R, probes] of the largest keys per row, order unspecified (the same set as topk, ties
-    to the lowest ids); `histogram` must count exactly these keys (stage 1 or `histogram_triton`)."""
+    to the lowest ids); `histogram` must count exactly these keys (stage 1 or `histogram_triton`), and
+    `counters` ([R, 2] int32, zero; allocated when not given) is the select's own workspace."""
     _require_triton()
     keys = keys.contiguous()
     rows, num_clusters = keys.shape
     if not 1 <= probes < num_clusters:
         raise ValueError(f"select needs 1 <= probes < clusters, got {probes} of {num_clusters}")
-    chunk = min(chunk, max(triton.next_power_of_2(num_clusters), 16))
+    segment = min(segment, max(triton.next_power_of_2(num_clusters), 16))
+    num_segments = triton.cdiv(num_clusters, segment)
+    # a segment lists fewer than `probes` keys above the bucket, and at most its own size
+    list_len = min(segment, triton.next_power_of_2(probes))
+    if counters is None:
+        counters = torch.zeros(rows, 2, dtype=torch.int32, device=keys.device)
+    lists = torch.empty(rows, num_segments, list_len, dtype=torch.int32, device=keys.device)
+    list_counts = torch.empty(rows, num_segments, dtype=torch.int32, device=keys.device)
+    scratch = torch.empty(rows, SELECT_SMALL, dtype=torch.int64, device=keys.device)
     out = torch.empty(rows, probes, dtype=torch.int64, device=keys.device)
-    scratch = torch.empty(rows, 2, SELECT_SMALL, dtype=torch.int32, device=keys.device)
-    _select_from_histogram_kernel[(rows,)](keys, histogram, scratch, out, num_clusters, keys.stride(0),
-                                           out.stride(0), PROBES=probes, CHUNK=chunk, SMALL=SELECT_SMALL,
-                                           DIGIT_SHIFT=DIGIT_SHIFT, num_warps=num_warps)
+    _select_kernel[(num_segments, rows)](
+        keys, histogram, counters, lists, list_counts, scratch, out, num_clusters, keys.stride(0), out.stride(0),
+        PROBES=probes, SEGMENT=segment, NUM_SEGMENTS=num_segments,
+        SEGMENTS_P2=triton.next_power_of_2(num_segments), LIST=list_len, SMALL=SELECT_SMALL,
+        RANK_TILE=SELECT_RANK_TILE, ROW_CHUNK=min(SELECT_CHUNK, max(triton.next_power_of_2(num_clusters), 16)),
+        DIGIT_SHIFT=DIGIT_SHIFT, num_warps=num_warps)
     return out
 
 
@@ -446,10 +506,10 @@ def select_triton(keys: torch.Tensor, probes: int, num_warps: int = 8) -> torch.
 def stage2_greedy_triton(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_token_ids: torch.Tensor,
                          clusters: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
                          block_p: int | None = None, block_h: int | None = None,
-                         num_warps: int = 4) -> torch.Tensor:
+                         num_warps: int | None = None) -> torch.Tensor:
     """Argmax token per row over the probed clusters; `state` must have been reset on this stream."""
-    hidden, cluster_weight, clusters, block_p, block_h = _stage2_inputs(hidden, cluster_weight, clusters,
-                                                                        block_p, block_h)
+    hidden, cluster_weight, clusters, block_p, block_h, num_warps = _stage2_inputs(
+        hidden, cluster_weight, clusters, block_p, block_h, num_warps)
     rows, probes = clusters.shape
     size, hidden_size = cluster_weight.shape[1:]
     tokens = torch.empty(rows, dtype=torch.int64, device=hidden.device)
@@ -483,9 +543,9 @@ def select_clusters(hidden: torch.Tensor, centroids: torch.Tensor, probes: int, 
     CUDA two launches (stage 1 also histograms the keys' first digit, and resets `state` when given)."""
     if not use_triton(hidden):
         return stage1_torch(hidden, centroids, scale, noise).topk(probes, dim=1, sorted=False).indices
-    histogram = selection_histogram(hidden.shape[0], hidden.device)
+    histogram, counters = selection_workspace(hidden.shape[0], hidden.device)
     keys = stage1_triton(hidden, centroids, scale, noise, state=state, histogram=histogram)
-    return select_from_histogram_triton(keys, histogram, probes)
+    return select_from_histogram_triton(keys, histogram, probes, counters=counters)
 
 
 def stage2(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_token_ids: torch.Tensor,
@@ -498,8 +558,9 @@ def stage2(hidden: torch.Tensor, cluster_weight: torch.Tensor, cluster_token_ids
 def greedy_tokens(hidden: torch.Tensor, centroids: torch.Tensor, cluster_weight: torch.Tensor,
                   cluster_token_ids: torch.Tensor, probes: int, all_clusters: torch.Tensor) -> torch.Tensor:
     """The argmax token per row among the `probes` best-scoring clusters. On CUDA: zero the select
-    histogram, stage 1 (which also fills it and resets the argmax accumulators), select, stage 2 fused
-    with the argmax. `all_clusters` [1, C] is used when probes == C."""
+    workspace (histogram and counters, one memset), stage 1 (which also fills the histogram and resets
+    the argmax accumulators), select, stage 2 fused with the argmax. `all_clusters` [1, C] is used when
+    probes == C."""
     rows = hidden.shape[0]
     num_clusters = centroids.shape[0]
     if not use_triton(hidden):
