@@ -2,7 +2,7 @@
 # Everything GPU-side of issue 4's runner path in one device call: GPU tests, then benchmarks.
 # Usage (device tool): bash benchmarks/gpu_issue4.sh [SECTION ...]
 #   sections: tests alltests profile profile8b qwen merged big throughput fused serial step tracing extraction
-#             flashhead serve
+#             flashhead serve pdl kerneltests
 # $OUT/summary.md gets every table as it is made; $OUT/all.log every command's full output. The whole
 # script stops starting sections after TOTAL_S seconds (default 560) so one device call holds it.
 set -u
@@ -20,7 +20,7 @@ run() {  # run NAME TIMEOUT CMD...: full output to all.log, tables and verdicts 
   local left=$((TOTAL_S - SECONDS))
   if [ "$left" -lt 20 ]; then echo "-- $name skipped: out of time" | tee -a "$OUT/summary.md"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
-  echo "== $name: ${PELLUCID_FUSED_KERNELS:+PELLUCID_FUSED_KERNELS=$PELLUCID_FUSED_KERNELS }${PELLUCID_MERGED_PROJ:+PELLUCID_MERGED_PROJ=$PELLUCID_MERGED_PROJ }$*" | tee -a "$OUT/summary.md"
+  echo "== $name: ${PELLUCID_FUSED_KERNELS:+PELLUCID_FUSED_KERNELS=$PELLUCID_FUSED_KERNELS }${PELLUCID_MERGED_PROJ:+PELLUCID_MERGED_PROJ=$PELLUCID_MERGED_PROJ }${PELLUCID_PDL:+PELLUCID_PDL=$PELLUCID_PDL }$*" | tee -a "$OUT/summary.md"
   local t0=$SECONDS
   echo "==== $name" >> "$OUT/all.log"
   timeout "$limit" "$@" > "/tmp/$name.log" 2>&1
@@ -33,6 +33,11 @@ run() {  # run NAME TIMEOUT CMD...: full output to all.log, tables and verdicts 
 for s in $sections; do
   case $s in
     tests) run gpu_tests 200 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu ;;
+    kerneltests)   # the GPU cases outside tests/gpu, one file per run so a slow compile shows where
+      for f in tests/attention/test_triton_backend.py tests/heads/test_flashhead_kernels.py tests/heads/test_flashhead.py \
+          tests/tracing/test_taps.py tests/tracing/test_save_log.py tests/models/test_models_vs_hf.py; do
+        run "gpu_$(basename "$f" .py)" 240 python3 -m pytest -q -rs -p no:cacheprovider "$f"
+      done ;;
     alltests)   # every test file with CUDA-only cases
       run gpu_tests_all 300 python3 -m pytest -q -p no:cacheprovider -x tests/gpu tests/attention/test_triton_backend.py \
         tests/heads/test_flashhead_kernels.py tests/tracing/test_taps.py tests/runner/test_sampler.py \
@@ -70,6 +75,17 @@ for s in $sections; do
     flashhead)
       run flashhead_head 120 python3 benchmarks/flashhead_bench.py --no-sweep
       run flashhead_e2e 120 python3 benchmarks/flashhead_bench.py --e2e --output-len 128 ;;
+    pdl)   # each batch-1 launch saving off vs all on: programmatic dependent launch (pellucid.kernels.pdl),
+           # and the decode kernel storing KV (decode_stores_kv)
+      all_but() { local k out=""; for k in rms_norm rotary silu_and_mul add_rms_norm qk_norm_rotary skinny_gemm \
+          skinny_silu_down decode_stores_kv; do [ "$k" = "$1" ] || out="$out${out:+,}$k"; done; echo "$out"; }
+      for m in ${PDL_MODELS:-Qwen3-0.6B Llama-3.1-8B}; do
+        limit=45; [ "$m" = Llama-3.1-8B ] && limit=100
+        lat="python3 -m pellucid.bench latency --model $m --batch-sizes 1,8 --output-len 64"
+        PELLUCID_PDL=0 run lat_${m}_no_pdl $limit $lat
+        PELLUCID_FUSED_KERNELS=$(all_but decode_stores_kv) run lat_${m}_separate_kv_write $limit $lat
+        run lat_${m}_all $limit $lat
+      done ;;
     serve) run serve_qwen 150 python3 -m pellucid.bench serve --model Qwen3-0.6B ;;
   esac
 done
