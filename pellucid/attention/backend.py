@@ -42,16 +42,6 @@ class AttentionBackend(ABC):
         """Causal attention of query [T, heads, head_dim] over each request's cached prefix plus its
         own new tokens (already written by write_kv). Returns [T, heads, head_dim]."""
 
-    def store_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
-        """write_kv, then forward: what an attention layer runs each step.
-
-        A backend may override it to do both in fewer launches; the output and the cache afterwards
-        must equal those of write_kv followed by forward.
-        """
-        self.write_kv(key, value, kv_cache, slot_mapping)
-        return self.forward(query, kv_cache, metadata, scale)
-
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 

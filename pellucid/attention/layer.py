@@ -32,8 +32,8 @@ class Attention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
-        output = ctx.backend.store_and_attend(query, key, value, kv_cache, ctx.attn_metadata.slot_mapping,
-                                              ctx.backend_metadata, self.scale)
+        ctx.backend.write_kv(key, value, kv_cache, ctx.attn_metadata.slot_mapping)
+        output = ctx.backend.forward(query, kv_cache, ctx.backend_metadata, self.scale)
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

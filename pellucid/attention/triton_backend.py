@@ -1,8 +1,7 @@
 """The "triton" attention backend: paged attention written in Triton in this project.
 
 Decode-only steps (every request has one query token) run the split-KV decode kernel, whose
-split count is picked on the host from the batch shape so that small batches still fill the GPU;
-through `store_and_attend` that one launch also stores the new keys/values and merges the splits.
+split count is picked on the host from the batch shape so that small batches still fill the GPU.
 Any step with a prefill or chunked-prefill row runs the unified kernel over all rows (decode rows
 included), so a mixed batch is one launch per layer. Both paths read only device tensors and
 host-known sizes, so a decode step with a fixed number of requests can be captured in a CUDA graph.
@@ -16,8 +15,7 @@ import triton
 
 from pellucid.attention.backend import AttentionBackend, register_backend
 from pellucid.attention.metadata import CommonAttentionMetadata
-from pellucid.attention.triton_kernels import decode_attention, decode_workspace, unified_attention, write_kv
-from pellucid.kernels import fused_kernels_enabled
+from pellucid.attention.triton_kernels import decode_attention, unified_attention, write_kv
 from pellucid.logger import get_logger
 
 logger = get_logger(__name__)
@@ -27,10 +25,11 @@ logger = get_logger(__name__)
 class TritonAttentionMetadata:
     common: CommonAttentionMetadata
     decode_only: bool
-    num_splits: int                       # decode path only; 1 = no split workspace
+    num_splits: int                       # decode path only; 1 = no reduce kernel
     decode_block_n: int                   # KV tokens per decode loop step
     num_covered_rows: int                 # query rows owned by requests (host copy of query_start_loc[-1])
-    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # decode_workspace, when num_splits > 1
+    partial_out: torch.Tensor | None      # [num_reqs, heads, num_splits, head_dim] float32 split workspace
+    partial_lse: torch.Tensor | None      # [num_reqs, heads, num_splits] float32
 
 
 @register_backend("triton")
@@ -72,13 +71,17 @@ class TritonAttentionBackend(AttentionBackend):
         decode_only = common.max_query_len <= 1
         num_covered_rows = int(common.query_start_loc_cpu[common.num_reqs])
         num_splits = self._decode_num_splits(common) if decode_only else 1
-        workspace = None
+        partial_out = partial_lse = None
         if num_splits > 1:
-            workspace = decode_workspace(common.num_reqs, self.num_heads, self.num_kv_heads, self.head_dim,
-                                         num_splits, common.query_start_loc.device)
+            device = common.query_start_loc.device
+            partial_out = torch.empty(common.num_reqs, self.num_heads, num_splits, self.head_dim,
+                                      dtype=torch.float32, device=device)
+            partial_lse = torch.empty(common.num_reqs, self.num_heads, num_splits, dtype=torch.float32,
+                                      device=device)
         small_batch = common.num_reqs * self.num_kv_heads < self.num_sms
         block_n = self.decode_block_n_small_batch if small_batch else self.decode_block_n_large_batch
-        return TritonAttentionMetadata(common, decode_only, num_splits, block_n, num_covered_rows, workspace)
+        return TritonAttentionMetadata(common, decode_only, num_splits, block_n, num_covered_rows,
+                                       partial_out, partial_lse)
 
     def _decode_num_splits(self, common: CommonAttentionMetadata) -> int:
         """Enough programs to fill the GPU, but no split shorter than decode_min_tokens_per_split.
@@ -98,18 +101,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata,
                 scale: float) -> torch.Tensor:
-        return self._attend(query, kv_cache, metadata, scale, None)
-
-    def store_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, metadata: TritonAttentionMetadata, scale: float) -> torch.Tensor:
-        """Decode-only steps: the decode kernel stores the new keys/values itself (one launch, not two)."""
-        if (isinstance(metadata, TritonAttentionMetadata) and metadata.decode_only
-                and fused_kernels_enabled(query, "decode_stores_kv")):
-            return self._attend(query, kv_cache, metadata, scale, (key, value, slot_mapping))
-        return super().store_and_attend(query, key, value, kv_cache, slot_mapping, metadata, scale)
-
-    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float,
-                new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         if not isinstance(metadata, TritonAttentionMetadata):
             raise TypeError(f"triton attention got {type(metadata).__name__}; pass what its build_metadata returned")
         if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_dim):
@@ -127,9 +118,9 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if metadata.decode_only:
             decode_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
-                             out, scale, metadata.num_splits, metadata.workspace,
+                             out, scale, metadata.num_splits, metadata.partial_out, metadata.partial_lse,
                              block_n=metadata.decode_block_n, num_warps=self.decode_num_warps,
-                             num_stages=self.decode_num_stages, new_kv=new_kv)
+                             num_stages=self.decode_num_stages)
         else:
             unified_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
                               out, scale, block_m=self.prefill_block_m, block_n=self.prefill_block_n,

@@ -1,6 +1,5 @@
 """Fused Triton kernels for the GPU path (RMSNorm, rotary embedding, SiLU-and-mul, residual add +
-RMSNorm, Qwen3 q/k norm + rotary, skinny decode GEMMs), and the switch for the attention backend's
-decode kernel storing the new keys/values itself.
+RMSNorm, Qwen3 q/k norm + rotary, skinny decode GEMMs).
 
 `pellucid.models.layers` calls them behind its plain torch functions when `fused_kernels_enabled`
 says so for the tensor's device; the CPU always runs the torch code. Set PELLUCID_FUSED_KERNELS=0 to
@@ -24,8 +23,7 @@ def _triton_available() -> bool:
     return True
 
 
-KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down",
-           "decode_stores_kv")
+KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down")
 # Each measured on an H100 (2026-11-23), Qwen3-0.6B shape, bf16, GPU time of one CUDA-graph decode
 # forward at batch 1 / 64 / 256 (pellucid bench latency, "graph forward ms"): none fused 3.98 / 4.90 ms;
 # rms_norm alone 2.52 / 3.15; rotary alone 3.18 / 4.04; silu_and_mul alone 3.94 / 4.85; all three
@@ -36,8 +34,6 @@ KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary
 # cuBLAS; skinny_silu_down fuses silu(gate) * up into the down projection's skinny GEMM (per-shape
 # numbers: benchmarks/skinny_gemm_bench.py). H100 (2026-11-23), Qwen3-0.6B, graph forward at batch 1 / 8:
 # both on 1.094 / 1.311 ms (793 tok/s at batch 1) against both off 1.233 / 1.303 ms (715 tok/s).
-# decode_stores_kv: on decode-only steps the triton attention backend's decode kernel stores the new
-# keys/values itself instead of a separate write_kv launch (pellucid.attention.triton_kernels.decode).
 DEFAULT_KERNELS = KERNELS
 
 

@@ -128,40 +128,30 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return out, expected_cache
 
 
-def run_backend(case: Case, backend_name: str = "triton", combined: bool = False,
-                backend: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backend's output and cache afterwards: write_kv then forward, or (combined) store_and_attend,
-    the one call an attention layer makes (the triton decode kernel then stores the new keys itself)."""
+def run_backend(case: Case, backend_name: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
     from pellucid.attention.backend import get_backend_class
 
     num_heads, head_dim = case.query.shape[1:]
-    if backend is None:
-        backend = get_backend_class(backend_name)(num_heads, case.key.shape[1], head_dim, case.query.dtype,
-                                                  case.query.device)
+    cls = get_backend_class(backend_name)
+    backend = cls(num_heads, case.key.shape[1], head_dim, case.query.dtype, case.query.device)
     metadata = backend.build_metadata(case.common)
     kv_cache = case.kv_cache.clone()
-    if combined:
-        out = backend.store_and_attend(case.query, case.key, case.value, kv_cache, case.common.slot_mapping,
-                                       metadata, case.scale)
-    else:
-        backend.write_kv(case.key, case.value, kv_cache, case.common.slot_mapping)
-        out = backend.forward(case.query, kv_cache, metadata, case.scale)
+    backend.write_kv(case.key, case.value, kv_cache, case.common.slot_mapping)
+    out = backend.forward(case.query, kv_cache, metadata, case.scale)
     return out, kv_cache
 
 
-def check_case(case: Case, backend_name: str = "triton", backend: object | None = None) -> None:
+def check_case(case: Case, backend_name: str = "triton") -> None:
     expected, expected_cache = reference(case)
-    for combined in (False, True):
-        out, cache_after = run_backend(case, backend_name, combined, backend)
-        out = out.cpu()
-        how = "store_and_attend" if combined else "write_kv + forward"
-        assert torch.isfinite(out).all(), f"{how}: NaN/inf in the attention output"
-        # the cache changes exactly at the new tokens' slots, and padded rows (slot -1) wrote nothing
-        assert torch.equal(cache_after.cpu(), expected_cache), f"{how}: wrong cache afterwards"
-        real_rows = int(case.common.query_start_loc_cpu[case.num_real_reqs])
-        assert torch.equal(out[real_rows:], torch.zeros_like(out[real_rows:])), "padding rows must come out as zeros"
-        err = (out.double() - expected).norm() / expected.norm()
-        assert err < REL_TOL[case.query.dtype], f"{how}: relative error {err:.3g} over {REL_TOL[case.query.dtype]}"
+    out, cache_after = run_backend(case, backend_name)
+    out = out.cpu()
+    assert torch.isfinite(out).all(), "NaN/inf in the attention output"
+    # the cache changes exactly at the new tokens' slots, and padded rows (slot -1) wrote nothing
+    assert torch.equal(cache_after.cpu(), expected_cache)
+    real_rows = int(case.common.query_start_loc_cpu[case.num_real_reqs])
+    assert torch.equal(out[real_rows:], torch.zeros_like(out[real_rows:])), "padding rows must come out as zeros"
+    err = (out.double() - expected).norm() / expected.norm()
+    assert err < REL_TOL[case.query.dtype], f"relative error {err:.3g} over {REL_TOL[case.query.dtype]}"
 
 
 def random_lengths(seed: int, mixed: bool, block_size: int) -> tuple[list[int], list[int]]:
@@ -213,37 +203,28 @@ def test_triton_matches_reference_dtypes(group: int, head_dim: int, block_size: 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_len", [1, 17, 300, 5000])
 def test_triton_decode_split_counts(seq_len: int) -> None:
-    """Every split count gives the same answer for one long-or-short sequence (Llama-3.1-8B head shape),
-    with the new key/value stored by the kernel itself or beforehand by write_kv; the workspace's tickets
-    come back to zero after each launch, so it is reused across launches as the layers reuse it."""
-    from pellucid.attention.triton_kernels import decode_attention, decode_workspace, write_kv
+    """Every split count gives the same answer for one long-or-short sequence (Llama-3.1-8B head shape)."""
+    from pellucid.attention.triton_kernels import decode_attention
 
     case = make_case(seq_len, [1], [seq_len - 1], 16, 32, 8, 128, torch.bfloat16, "cuda")
-    expected, expected_cache = reference(case)
-    for splits, block_n in ((1, 64), (2, 128), (7, 64), (32, 128), (32, 16)):
-        workspace = decode_workspace(1, 32, 8, 128, splits, "cuda")
-        workspace[0].fill_(float("nan"))
-        workspace[1].fill_(float("nan"))
-        for kernel_writes_kv in (False, True, True):
-            cache = case.kv_cache.clone()
-            if not kernel_writes_kv:
-                write_kv(case.key, case.value, cache, case.common.slot_mapping)
-            new_kv = (case.key, case.value, case.common.slot_mapping) if kernel_writes_kv else None
-            out = torch.full_like(case.query, float("nan"))
-            decode_attention(case.query, cache[0], cache[1], case.common.block_table, case.common.seq_lens,
-                             case.common.query_start_loc, out, case.scale, splits, workspace, block_n, 4, 2,
-                             new_kv=new_kv)
-            err = (out.cpu().double() - expected).norm() / expected.norm()
-            assert err < REL_TOL[torch.bfloat16], f"splits={splits} writes kv {kernel_writes_kv}: error {err:.3g}"
-            assert torch.equal(cache.cpu(), expected_cache)
-            assert int(workspace[2].abs().sum()) == 0, "tickets must be back at zero after a launch"
+    expected, _ = reference(case)
+    cache = case.kv_cache.clone()
+    from pellucid.attention.triton_kernels import write_kv
+    write_kv(case.key, case.value, cache, case.common.slot_mapping)
+    for splits, block_n in ((1, 64), (2, 128), (7, 64), (32, 128)):
+        out = torch.full_like(case.query, float("nan"))
+        po = torch.full((1, 32, splits, 128), float("nan"), device="cuda")
+        pl = torch.full((1, 32, splits), float("nan"), device="cuda")
+        decode_attention(case.query, cache[0], cache[1], case.common.block_table, case.common.seq_lens,
+                         case.common.query_start_loc, out, case.scale, splits, po, pl, block_n, 4, 2)
+        err = (out.cpu().double() - expected).norm() / expected.norm()
+        assert err < REL_TOL[torch.bfloat16], f"splits={splits}: relative error {err:.3g}"
 
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("combined", [False, True], ids=["write_kv+forward", "store_and_attend"])
-def test_triton_decode_cuda_graph_replay(combined: bool) -> None:
-    """Capture write_kv + forward (or store_and_attend) for 5 decode requests (+2 padded), replay on fresh inputs."""
+def test_triton_decode_cuda_graph_replay() -> None:
+    """Capture write_kv + forward for 5 decode requests (+2 padded), replay on fresh inputs."""
     from pellucid.attention.backend import get_backend_class
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
@@ -257,20 +238,15 @@ def test_triton_decode_cuda_graph_replay(combined: bool) -> None:
     assert metadata.num_splits > 1
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    def step(kv_cache: torch.Tensor) -> torch.Tensor:
-        if combined:
-            return backend.store_and_attend(static.query, static.key, static.value, kv_cache,
-                                            static.common.slot_mapping, metadata, static.scale)
-        backend.write_kv(static.key, static.value, kv_cache, static.common.slot_mapping)
-        return backend.forward(static.query, kv_cache, metadata, static.scale)
-
     with torch.cuda.stream(stream):
         for _ in range(2):  # compile outside the capture
-            step(static.kv_cache.clone())
+            backend.write_kv(static.key, static.value, static.kv_cache.clone(), static.common.slot_mapping)
+            backend.forward(static.query, static.kv_cache, metadata, static.scale)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = step(static.kv_cache)
+        backend.write_kv(static.key, static.value, static.kv_cache, static.common.slot_mapping)
+        static_out = backend.forward(static.query, static.kv_cache, metadata, static.scale)
 
     for seed in range(1, 4):
         computed = torch.randint(1, 4000, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -347,27 +323,6 @@ def interpreter_handles_loaded_loop_bounds() -> bool:
     return int(out) == 6
 
 
-def check_decode_kernel_stores_kv(case: Case, num_splits: int, block_n: int) -> None:
-    """decode_attention given the new keys/values (what store_and_attend runs on CUDA): same output and
-    cache as the reference, and its split tickets back at zero."""
-    from pellucid.attention.triton_kernels import decode_attention, decode_workspace
-
-    heads, head_dim = case.query.shape[1:]
-    expected, expected_cache = reference(case)
-    workspace = decode_workspace(case.common.num_reqs, heads, case.key.shape[1], head_dim, num_splits,
-                                 case.query.device)
-    cache = case.kv_cache.clone()
-    out = torch.zeros_like(case.query)
-    decode_attention(case.query, cache[0], cache[1], case.common.block_table, case.common.seq_lens,
-                     case.common.query_start_loc, out, case.scale, num_splits, workspace, block_n, 4, 1,
-                     new_kv=(case.key, case.value, case.common.slot_mapping))
-    assert torch.equal(cache.cpu(), expected_cache)
-    assert int(workspace[2].abs().sum()) == 0
-    real_rows = int(case.common.query_start_loc_cpu[case.num_real_reqs])
-    err = (out[:real_rows].cpu().double() - expected[:real_rows]).norm() / expected[:real_rows].norm()
-    assert err < REL_TOL[case.query.dtype], f"decode kernel storing kv: relative error {err:.3g}"
-
-
 def run_interpreter_cases() -> None:
     """Small cases on the CPU; needs TRITON_INTERPRET=1 set before triton was imported."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -393,10 +348,14 @@ def run_interpreter_cases() -> None:
 
             backend = TritonAttentionBackend(heads, kv_heads, head_dim, dtype, torch.device("cpu"))
             backend.decode_min_tokens_per_split = 16
-            backend.decode_block_n_small_batch = backend.decode_block_n_large_batch = 16
-            assert backend.build_metadata(case.common).num_splits > 1
-            check_case(case, backend=backend)
-            check_decode_kernel_stores_kv(case, num_splits=5, block_n=16)
+            metadata = backend.build_metadata(case.common)
+            assert metadata.num_splits > 1
+            cache = case.kv_cache.clone()
+            backend.write_kv(case.key, case.value, cache, case.common.slot_mapping)
+            out = backend.forward(case.query, cache, metadata, case.scale)
+            expected, _ = reference(case)
+            err = (out.double() - expected).norm() / expected.norm()
+            assert err < REL_TOL[dtype], f"split decode relative error {err:.3g}"
         if HAS_TORCH_REF:  # its padding convention differs (it rejects seq_len 0 with a query row): none here
             compare_with_torch_backend(make_case(seed, q_lens, computed, block_size, heads, kv_heads, head_dim,
                                                  dtype, "cpu"), REL_TOL[dtype])
