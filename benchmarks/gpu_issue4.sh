@@ -75,16 +75,12 @@ for s in $sections; do
     flashhead)
       run flashhead_head 120 python3 benchmarks/flashhead_bench.py --no-sweep
       run flashhead_e2e 120 python3 benchmarks/flashhead_bench.py --e2e --output-len 128 ;;
-    pdl)   # each batch-1 launch saving off vs all on: programmatic dependent launch (pellucid.kernels.pdl),
-           # and the decode kernel storing KV (decode_stores_kv)
-      all_but() { local k out=""; for k in rms_norm rotary silu_and_mul add_rms_norm qk_norm_rotary skinny_gemm \
-          skinny_silu_down decode_stores_kv; do [ "$k" = "$1" ] || out="$out${out:+,}$k"; done; echo "$out"; }
+    pdl)   # programmatic dependent launch (pellucid.kernels.pdl) off vs on, batch-1 and batch-8 decode
       for m in ${PDL_MODELS:-Qwen3-0.6B Llama-3.1-8B}; do
         limit=45; [ "$m" = Llama-3.1-8B ] && limit=100
         lat="python3 -m pellucid.bench latency --model $m --batch-sizes 1,8 --output-len 64"
         PELLUCID_PDL=0 run lat_${m}_no_pdl $limit $lat
-        PELLUCID_FUSED_KERNELS=$(all_but decode_stores_kv) run lat_${m}_separate_kv_write $limit $lat
-        run lat_${m}_all $limit $lat
+        run lat_${m}_pdl $limit $lat
       done ;;
     serve) run serve_qwen 150 python3 -m pellucid.bench serve --model Qwen3-0.6B ;;
   esac
