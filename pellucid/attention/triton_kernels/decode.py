@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from pellucid.attention.triton_kernels.tile import attend_tile
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
 
 
 @triton.jit
@@ -29,7 +30,10 @@ def _decode_split_kernel(
     stride_pl_req, stride_pl_head,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_dependents(PDL)
+    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -89,7 +93,10 @@ def _decode_reduce_kernel(
     stride_pl_req, stride_pl_head,
     stride_out_t, stride_out_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_dependents(PDL)
+    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + req)
@@ -154,6 +161,7 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT_OUTPUT=direct,
         IEEE_DOT=query.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch_options(query),
     )
     if direct:
         return
@@ -164,5 +172,5 @@ def decode_attention(
         pl.stride(0), pl.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
-        num_warps=4 if head_dim >= 128 else 2,
+        num_warps=4 if head_dim >= 128 else 2, **pdl_launch_options(query),
     )
