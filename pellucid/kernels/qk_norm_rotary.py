@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
-
 from pellucid.kernels.rotary import rotate_half_rounded, token_cos_sin
 
 
