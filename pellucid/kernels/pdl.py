@@ -7,9 +7,18 @@ blocks become resident, load what no earlier kernel writes (weights), and then b
 `griddepcontrol.wait` until the previous kernel has completed and its writes are visible. Each PDL
 kernel also releases its dependents at its start, so the next launch overlaps this kernel's run.
 
-The rule every PDL kernel keeps: before `wait_for_previous_kernel` it neither writes anything nor
-reads anything an earlier kernel may write (activations, KV cache, metadata); only read-only weights
-may be loaded ahead of it. A kernel launched without PDL is unaffected (it starts after everything
+The rule every PDL kernel keeps: before `wait_for_previous_kernel` it writes nothing and reads only
+what no kernel of the step writes:
+- weights;
+- the step's metadata (positions, slot mapping, block table, sequence lengths, query starts), which
+  host-to-device copies fill before the step's first kernel. A PDL kernel starts no earlier than the
+  kernel before it started, and so on back to the step's first kernel, a plain launch that starts only
+  once those copies are done;
+- KV-cache entries of earlier positions (written by earlier steps), never those of the step's own
+  tokens, which this step's KV write stores.
+Everything else (activations, this step's K/V, split-KV partials) is read after the wait. Every
+program waits before it exits, even one with nothing to do: a kernel whose programs all left early
+could complete before the kernel it follows, and its successor waits only for it. A kernel launched without PDL is unaffected (it starts after everything
 before it), and a PDL kernel after a kernel that never releases simply starts when that one ends, so
 PDL kernels mix freely with cuBLAS and torch kernels.
 

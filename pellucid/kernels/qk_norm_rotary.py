@@ -16,7 +16,14 @@ from pellucid.kernels.rotary import rotate_half_rounded, token_cos_sin
 
 
 @triton.jit
-def _norm_rotate_heads(x_ptr, weight_ptr, stride_t, stride_h, token, num_heads, eps, cos, sin, offs_h, offs_d,
+def _norm_weights(weight_ptr, offs_d, d_mask, HALF: tl.constexpr):
+    w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    return w1, w2
+
+
+@triton.jit
+def _norm_rotate_heads(x_ptr, w1, w2, stride_t, stride_h, token, num_heads, eps, cos, sin, offs_h, offs_d,
                        d_mask, HALF: tl.constexpr):
     mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
     base = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
@@ -27,8 +34,6 @@ def _norm_rotate_heads(x_ptr, weight_ptr, stride_t, stride_h, token, num_heads, 
     x2 = x2.to(tl.float32)
     variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
     inv = tl.rsqrt(variance + eps)[:, None]
-    w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     n1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     n2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     out1, out2 = rotate_half_rounded(n1, n2, cos, sin, x_ptr)
@@ -43,14 +48,18 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr
                            HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
                            BLOCK_HK: tl.constexpr, PDL: tl.constexpr):
     release_dependents(PDL)
-    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
+    # Norm weights, positions (step metadata, copied in before the step's first kernel) and cos/sin load
+    # ahead of the wait: after it, only q and k, which the projection before this kernel writes.
     cos, sin = token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, q_ptr)
-    _norm_rotate_heads(q_ptr, q_weight_ptr, stride_q_t, stride_q_h, token, num_q_heads, q_eps, cos, sin,
+    q_w1, q_w2 = _norm_weights(q_weight_ptr, offs_d, d_mask, HALF)
+    k_w1, k_w2 = _norm_weights(k_weight_ptr, offs_d, d_mask, HALF)
+    wait_for_previous_kernel(PDL)
+    _norm_rotate_heads(q_ptr, q_w1, q_w2, stride_q_t, stride_q_h, token, num_q_heads, q_eps, cos, sin,
                        tl.arange(0, BLOCK_HQ), offs_d, d_mask, HALF)
-    _norm_rotate_heads(k_ptr, k_weight_ptr, stride_k_t, stride_k_h, token, num_k_heads, k_eps, cos, sin,
+    _norm_rotate_heads(k_ptr, k_w1, k_w2, stride_k_t, stride_k_h, token, num_k_heads, k_eps, cos, sin,
                        tl.arange(0, BLOCK_HK), offs_d, d_mask, HALF)
 
 

@@ -54,11 +54,12 @@ def _rotary_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
                    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                    PDL: tl.constexpr):
     release_dependents(PDL)
-    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
+    # Positions are step metadata (copied in before the step's first kernel), so cos/sin load ahead of the wait.
     cos, sin = token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, q_ptr)
+    wait_for_previous_kernel(PDL)
     _rotate_heads(q_ptr, stride_q_t, stride_q_h, token, num_q_heads, cos, sin, tl.arange(0, BLOCK_HQ), offs_d,
                   d_mask, HALF)
     _rotate_heads(k_ptr, stride_k_t, stride_k_h, token, num_k_heads, cos, sin, tl.arange(0, BLOCK_HK), offs_d,

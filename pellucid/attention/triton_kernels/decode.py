@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pellucid.attention.triton_kernels.tile import attend_tile
+from pellucid.attention.triton_kernels.tile import attend_loaded, attend_tile, kv_tile_rows
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
 
 
@@ -33,40 +33,64 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
 ):
     release_dependents(PDL)
-    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
+    # Ahead of the wait (pdl.py's rule): the step's metadata and the split's first KV tile, except the
+    # request's newest position, whose K/V this step's KV write stores; it is read after the wait.
     q_row = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
-    if q_end <= q_row:
-        return  # padded request without a query row: nothing to compute, nothing to write
     seq_len = tl.load(seq_lens_ptr + req)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
-    if not DIRECT_OUTPUT:
-        if (start >= seq_len) & (split > 0):
-            return  # empty split: the reduce kernel reads only the non-empty ones
+    end = tl.where(q_end > q_row, end, 0)       # a padded request without a query row reads nothing
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    cache_head = kv_head * stride_cache_head
+    block_table_row_ptr = block_table_ptr + req * stride_block_table
+    newest = seq_len - 1
+    pos, n_mask, row = kv_tile_rows(start, block_table_row_ptr, cache_head, end, offs_n,
+                                    stride_cache_block, stride_cache_slot, BLOCK_SIZE=BLOCK_SIZE, MASKED=True)
+    earlier = (n_mask & (pos != newest))[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=earlier, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=earlier, other=0.0)
+    newest_in_tile = (newest >= start) & (newest < tl.minimum(start + BLOCK_N, end))
+    newest_slot = tl.where(newest_in_tile, newest, 0)    # an index always inside the block-table row
+    newest_block = tl.load(block_table_row_ptr + newest_slot // BLOCK_SIZE)
+    newest_row = newest_block.to(tl.int64) * stride_cache_block + (newest_slot % BLOCK_SIZE) * stride_cache_slot \
+        + cache_head
+    wait_for_previous_kernel(PDL)
+
+    if q_end <= q_row:
+        return  # padded request without a query row: nothing to compute, nothing to write
+    if not DIRECT_OUTPUT:
+        if (start >= seq_len) & (split > 0):
+            return  # empty split: the reduce kernel reads only the non-empty ones
+
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + q_row * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    # newest_row is a valid row even when the newest position lies outside this tile; then no pos matches.
+    k_new = tl.load(k_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
+    v_new = tl.load(v_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
+    is_newest = (pos == newest)[:, None]
+    k = tl.where(is_newest, k_new[None, :], k)
+    v = tl.where(is_newest, v_new[None, :], v)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    cache_head = kv_head * stride_cache_head
-    block_table_row_ptr = block_table_ptr + req * stride_block_table
     # The one query row of each head sits at position seq_len - 1: it sees every key of the split.
-    q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
-    for n0 in range(start, end, BLOCK_N):
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + newest
+    if start < end:
+        acc, m_i, l_i = attend_loaded(q, acc, m_i, l_i, k, v, pos, n_mask, q_pos, scale_log2,
+                                      MASKED=True, IEEE_DOT=IEEE_DOT)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
                                     cache_head, q_pos, end, scale_log2, offs_n, offs_d, d_mask,
                                     stride_cache_block, stride_cache_slot,
@@ -96,14 +120,14 @@ def _decode_reduce_kernel(
     PDL: tl.constexpr,
 ):
     release_dependents(PDL)
-    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
-    q_row = tl.load(query_start_loc_ptr + req)
+    q_row = tl.load(query_start_loc_ptr + req)      # step metadata: ahead of the wait (pdl.py)
     q_end = tl.load(query_start_loc_ptr + req + 1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    wait_for_previous_kernel(PDL)
     if q_end <= q_row:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     # same split boundaries as the split kernel; split 0 always wrote (zeros when seq_len == 0)
     active = tl.maximum(tl.cdiv(seq_len, tl.maximum(tokens_per_split, 1)), 1)

@@ -17,9 +17,11 @@ def _write_kv_kernel(
     PDL: tl.constexpr,
 ):
     release_dependents(PDL)
-    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)    # step metadata: loaded ahead of the wait
+    # Every program waits, padding rows too: a kernel whose programs all left early could complete before
+    # the kernel it follows, and the next kernel waits only for this one.
+    wait_for_previous_kernel(PDL)
     if slot < 0:
         return  # CUDA-graph padding row: must not touch the cache
     block = slot // BLOCK_SIZE

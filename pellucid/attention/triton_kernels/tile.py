@@ -6,23 +6,24 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr, cache_head,
-                q_pos, kv_end, scale_log2, offs_n, offs_d, d_mask,
-                stride_cache_block, stride_cache_slot,
-                BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """Fold keys n0..n0+BLOCK_N (those before kv_end and at most each row's q_pos when MASKED) into
-    (acc, m_i, l_i). Unmasked tiles must lie wholly before kv_end and every row's q_pos."""
+def kv_tile_rows(n0, block_table_row_ptr, cache_head, kv_end, offs_n, stride_cache_block, stride_cache_slot,
+                 BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Positions n0..n0+BLOCK_N, which of them lie before kv_end, and their rows' offsets in the KV cache."""
     pos = n0 + offs_n
+    n_mask = pos < kv_end
     if MASKED:
-        n_mask = pos < kv_end
         block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
         block = tl.load(block_table_row_ptr + pos // BLOCK_SIZE)
-        kv_mask = d_mask[None, :]
     row = block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + cache_head
-    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return pos, n_mask, row
+
+
+@triton.jit
+def attend_loaded(q, acc, m_i, l_i, k, v, pos, n_mask, q_pos, scale_log2,
+                  MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """Fold the loaded keys k and values v [BLOCK_N, BLOCK_D] at `pos` into (acc, m_i, l_i); when MASKED,
+    only keys in n_mask and at most each row's q_pos count."""
     if IEEE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -42,3 +43,21 @@ def attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr, cache_head,
+                q_pos, kv_end, scale_log2, offs_n, offs_d, d_mask,
+                stride_cache_block, stride_cache_slot,
+                BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """Fold keys n0..n0+BLOCK_N (those before kv_end and at most each row's q_pos when MASKED) into
+    (acc, m_i, l_i). Unmasked tiles must lie wholly before kv_end and every row's q_pos."""
+    pos, n_mask, row = kv_tile_rows(n0, block_table_row_ptr, cache_head, kv_end, offs_n, stride_cache_block,
+                                    stride_cache_slot, BLOCK_SIZE=BLOCK_SIZE, MASKED=MASKED)
+    if MASKED:
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        kv_mask = d_mask[None, :]
+    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return attend_loaded(q, acc, m_i, l_i, k, v, pos, n_mask, q_pos, scale_log2, MASKED=MASKED, IEEE_DOT=IEEE_DOT)

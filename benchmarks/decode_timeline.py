@@ -1,0 +1,74 @@
+"""What each kernel of a CUDA-graph decode step adds to the step's critical path.
+
+    python3 benchmarks/decode_timeline.py --model Qwen3-0.6B --batch 1 [--steps 20]
+
+`decode_profile.py` sums eager kernels; with CUDA graphs and programmatic dependent launch the kernels
+of a step overlap (a kernel starts while its predecessor still runs, and waits inside), so a kernel's
+duration says little about what it costs the step. This script profiles steady decode steps as the
+engine runs them (graph replays, then the head and sampler) and orders every kernel by its end: each
+kernel ends after the one before it on the stream, so `end[i] - end[i-1]` is what kernel i adds to the
+step. Per kernel name it prints launches per step, the mean duration and the mean advance; their sum
+is the step's GPU time, next to the measured step time and the weight-bytes floor of the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pellucid.bench.common import add_model_args, make_engine, print_table, random_prompts, weight_bytes_per_step
+from pellucid.bench.floors import measure_floors
+from pellucid.sampling_params import SamplingParams
+
+
+def short_name(name: str) -> str:
+    return name if len(name) <= 70 else name[:67] + "..."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=30, help="kernel names to list")
+    args = parser.parse_args()
+    core, _ = make_engine(args, 2048, max(args.batch, 1), 8192)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 40, ignore_eos=True, detokenize=False)
+    vocab = core.runner.head.vocab_size
+    for i, prompt in enumerate(random_prompts([args.prompt_len] * args.batch, vocab, args.seed)):
+        core.add_request(f"p{i}", prompt, params, stream=False)
+    for _ in range(10):     # prefill, then warm decode steps
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            core.step()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.end, e.time_range.start, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if len(kernels) < 2:
+        raise SystemExit("the profiler recorded no CUDA kernels")
+    stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    previous_end = kernels[0][0]
+    for end, start, name in kernels[1:]:
+        entry = stats[name]
+        entry[0] += 1
+        entry[1] += end - start
+        entry[2] += end - previous_end
+        previous_end = end
+    steps = args.steps
+    span_us = (kernels[-1][0] - kernels[0][0]) / steps
+    floor_us = measure_floors().bytes_time(weight_bytes_per_step(core.runner.model)) * 1e6
+    print(f"{args.model}, batch {args.batch}, graph decode steps: {len(kernels) / steps:.0f} kernels/step, "
+          f"{span_us:.1f} us/step of GPU timeline; weight-bytes floor {floor_us:.1f} us")
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:args.top]
+    print_table(["kernel", "launches/step", "mean us", "advance us/step", "share"],
+                [[short_name(name), f"{n / steps:.0f}", f"{dur / n:.2f}", f"{adv / steps:.1f}",
+                  f"{adv / steps / span_us:.1%}"] for name, (n, dur, adv) in rows])
+
+
+if __name__ == "__main__":
+    main()
