@@ -19,6 +19,9 @@ class AttentionBackend(ABC):
     # True when forward/write_kv read only device tensors and host sizes fixed by build_metadata, so a
     # decode step can be captured in a CUDA graph (pellucid/runner/cuda_graphs.py) and replayed.
     supports_cuda_graphs: bool = False
+    # True when write_kv only stores each key/value row at its slot in the layout above (slot -1 skipped),
+    # so a kernel that holds the final keys may store them itself (pellucid.attention.fused_kv_store).
+    kv_write_is_plain_store: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pellucid.attention.fused_kv_store import FusedKVStore
 from pellucid.attention.metadata import get_forward_context
 
 
@@ -24,15 +25,27 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = scale
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query [T, heads(*head_dim)], key/value [T, kv_heads(*head_dim)] -> [T, heads * head_dim]."""
+    def fused_kv_store(self, value: torch.Tensor) -> FusedKVStore | None:
+        """A FusedKVStore for this layer's new values [T, kv_heads(*head_dim)] when the backend's KV write
+        is the plain store a rotary kernel can do instead (fused_kv_store.py); else None."""
+        ctx = get_forward_context()
+        if not ctx.backend.kv_write_is_plain_store:
+            return None
+        value = value.view(value.shape[0], self.num_kv_heads, self.head_dim)
+        return FusedKVStore(value, ctx.kv_caches[self.layer_idx], ctx.attn_metadata.slot_mapping)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_store: FusedKVStore | None = None) -> torch.Tensor:
+        """query [T, heads(*head_dim)], key/value [T, kv_heads(*head_dim)] -> [T, heads * head_dim]. The new
+        keys and values are written to the cache here unless `kv_store` says a kernel stored them already."""
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
-        ctx.backend.write_kv(key, value, kv_cache, ctx.attn_metadata.slot_mapping)
+        if kv_store is None or not kv_store.stored:
+            ctx.backend.write_kv(key, value, kv_cache, ctx.attn_metadata.slot_mapping)
         output = ctx.backend.forward(query, kv_cache, ctx.backend_metadata, self.scale)
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 

@@ -37,6 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
     # Graph-safe (see module docstring). The runner builds the metadata once per captured size with
     # max_seq_len = max_model_len and replays it; build_metadata's split workspaces live with the graph.
     supports_cuda_graphs = True
+    kv_write_is_plain_store = True      # write_kv is kv_write.py's slot store
     # Tuning knobs, chosen from measurements on an H100 (benchmarks/attention_bench.py): wide KV tiles
     # when there are fewer (request, kv_head) pairs than SMs (latency-bound), narrower ones otherwise.
     decode_block_n_small_batch: int = 128

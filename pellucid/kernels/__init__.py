@@ -23,7 +23,8 @@ def _triton_available() -> bool:
     return True
 
 
-KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down")
+KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down",
+           "rotary_kv_store")
 # Each measured on an H100 (2026-11-23), Qwen3-0.6B shape, bf16, GPU time of one CUDA-graph decode
 # forward at batch 1 / 64 / 256 (pellucid bench latency, "graph forward ms"): none fused 3.98 / 4.90 ms;
 # rms_norm alone 2.52 / 3.15; rotary alone 3.18 / 4.04; silu_and_mul alone 3.94 / 4.85; all three
@@ -34,6 +35,8 @@ KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary
 # cuBLAS; skinny_silu_down fuses silu(gate) * up into the down projection's skinny GEMM (per-shape
 # numbers: benchmarks/skinny_gemm_bench.py). H100 (2026-11-23), Qwen3-0.6B, graph forward at batch 1 / 8:
 # both on 1.094 / 1.311 ms (793 tok/s at batch 1) against both off 1.233 / 1.303 ms (715 tok/s).
+# rotary_kv_store: the rotary (or q/k norm + rotary) kernel stores K/V in the cache, no KV-write launch
+# (pellucid.attention.fused_kv_store); measured in BENCHMARKS.md, round 5.
 DEFAULT_KERNELS = KERNELS
 
 

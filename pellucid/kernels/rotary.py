@@ -6,11 +6,17 @@ cos/sin are rounded to the activation dtype, each product is rounded, then the s
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
+from pellucid.kernels.kv_store import kv_store_args, store_token_kv, token_slot
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+
+if TYPE_CHECKING:
+    from pellucid.attention.fused_kv_store import FusedKVStore
 
 
 @triton.jit
@@ -43,32 +49,43 @@ def _rotate_heads(x_ptr, stride_t, stride_h, token, num_heads, cos, sin, offs_h,
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
     out1, out2 = rotate_half_rounded(x1.to(tl.float32), x2.to(tl.float32), cos, sin, x_ptr)
-    tl.store(base, out1.to(dtype), mask=mask)
-    tl.store(base + HALF, out2.to(dtype), mask=mask)
+    out1, out2 = out1.to(dtype), out2.to(dtype)
+    tl.store(base, out1, mask=mask)
+    tl.store(base + HALF, out2, mask=mask)
+    return out1, out2
 
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
                    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs_kind, stride_cs_pos,
                    num_q_heads, num_k_heads,
+                   value_ptr, cache_ptr, slot_mapping_ptr, stride_v_t, stride_v_h, stride_cache_kv,
+                   stride_cache_block, stride_cache_slot, stride_cache_head,
                    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   PDL: tl.constexpr):
+                   STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
     release_dependents(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
-    # Positions are step metadata (copied in before the step's first kernel), so cos/sin load ahead of the wait.
+    # Positions and slots are step metadata (copied in before the step's first kernel), so they and cos/sin
+    # load ahead of the wait.
     cos, sin = token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, q_ptr)
+    slot = token_slot(slot_mapping_ptr, token, STORE_KV)
     wait_for_previous_kernel(PDL)
     _rotate_heads(q_ptr, stride_q_t, stride_q_h, token, num_q_heads, cos, sin, tl.arange(0, BLOCK_HQ), offs_d,
                   d_mask, HALF)
-    _rotate_heads(k_ptr, stride_k_t, stride_k_h, token, num_k_heads, cos, sin, tl.arange(0, BLOCK_HK), offs_d,
-                  d_mask, HALF)
+    k1, k2 = _rotate_heads(k_ptr, stride_k_t, stride_k_h, token, num_k_heads, cos, sin, tl.arange(0, BLOCK_HK),
+                           offs_d, d_mask, HALF)
+    if STORE_KV:
+        store_token_kv(k1, k2, value_ptr, stride_v_t, stride_v_h, cache_ptr, stride_cache_kv, stride_cache_block,
+                       stride_cache_slot, stride_cache_head, slot, token, num_k_heads, tl.arange(0, BLOCK_HK),
+                       offs_d, d_mask, HALF, BLOCK_SIZE)
 
 
 def rotary_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                   cos_sin_cache: torch.Tensor) -> None:
-    """Rotate query [T, heads, D] and key [T, kv_heads, D] in place at positions [T].
+                   cos_sin_cache: torch.Tensor, kv_store: FusedKVStore | None = None) -> None:
+    """Rotate query [T, heads, D] and key [T, kv_heads, D] in place at positions [T]; with `kv_store`, also
+    store the rotated keys and its values in its cache at its slots (and mark it stored).
 
     cos_sin_cache: [2, max_positions, D] float32 (row 0 cos, row 1 sin; both halves equal).
     """
@@ -80,12 +97,17 @@ def rotary_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tens
     if cos_sin_cache.stride(-1) != 1 or positions.shape[0] < num_tokens:
         raise ValueError("rotary_inplace needs a contiguous cos/sin table and one position per token")
     if num_tokens == 0:
+        if kv_store is not None:
+            kv_store.stored = True      # nothing to store
         return
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         query, key, cos_sin_cache, positions,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         cos_sin_cache.stride(0), cos_sin_cache.stride(1), num_q_heads, key.shape[1],
+        **kv_store_args(kv_store, key),
         HALF=half, BLOCK_D=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(key.shape[1]),
         num_warps=4, **pdl_launch_options(query))
+    if kv_store is not None:
+        kv_store.stored = True

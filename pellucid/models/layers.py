@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from pellucid.attention.fused_kv_store import FusedKVStore
 from pellucid.kernels import fused_kernels_enabled
 
 # Rope types whose frequencies do not depend on the sequence being processed. "dynamic" (NTK) and
@@ -268,16 +269,17 @@ class RotaryEmbedding(nn.Module):
     def rebuild_buffers(self) -> None:
         self.cos_sin_cache = self._compute_cache(self.cos_sin_cache.device)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                kv_store: FusedKVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate query [T, heads, head_dim] and key [T, kv_heads, head_dim] at positions [T].
 
         On CUDA the fused kernel rotates query and key in place (they are fresh projections that only
-        this call consumes) and returns them.
+        this call consumes) and returns them; given `kv_store` it also stores the keys and values in the
+        KV cache (pellucid.attention.fused_kv_store). The torch path leaves `kv_store` unstored.
         """
         if fused_kernels_enabled(query, "rotary") and query.stride(-1) == 1 and key.stride(-1) == 1:
             from pellucid.kernels.rotary import rotary_inplace
-            rotary_inplace(positions, query, key, self.cos_sin_cache)
+            rotary_inplace(positions, query, key, self.cos_sin_cache, kv_store)
             return query, key
         cos = self.cos_sin_cache[0].index_select(0, positions)
         sin = self.cos_sin_cache[1].index_select(0, positions)
@@ -285,13 +287,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def qk_norm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_norm: RMSNorm,
-                   k_norm: RMSNorm, rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_norm: RMSNorm, rotary_emb: RotaryEmbedding, kv_store: FusedKVStore | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_emb(positions, q_norm(query), k_norm(key)); one in-place kernel on CUDA while neither norm
-    is observed. query [T, heads, D] and key [T, kv_heads, D] must be fresh (only this call consumes them)."""
+    is observed, which also fills `kv_store` when given. query [T, heads, D] and key [T, kv_heads, D] must
+    be fresh (only this call consumes them)."""
     if (fused_kernels_enabled(query, "qk_norm_rotary") and not is_observed(q_norm, k_norm)
             and query.stride(-1) == 1 and key.stride(-1) == 1):
         from pellucid.kernels.qk_norm_rotary import qk_norm_rotary_inplace
         qk_norm_rotary_inplace(positions, query, key, q_norm.weight, k_norm.weight, q_norm.variance_epsilon,
-                               k_norm.variance_epsilon, rotary_emb.cos_sin_cache)
+                               k_norm.variance_epsilon, rotary_emb.cos_sin_cache, kv_store)
         return query, key
-    return rotary_emb(positions, q_norm(query), k_norm(key))
+    return rotary_emb(positions, q_norm(query), k_norm(key), kv_store=kv_store)

@@ -21,6 +21,7 @@ from torch import nn
 
 from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
+from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm,
                                     is_observed, merged_projections_enabled, qk_norm_rotary)
 from pellucid.models.registry import register_model
@@ -79,11 +80,15 @@ class DecoderAttention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         positions = get_forward_context().positions[:num_tokens]
+        # The rotary kernel may store K/V in the cache itself, unless a hook could still change them after it.
+        kv_store = None
+        if fused_kernels_enabled(query, "rotary_kv_store") and not is_observed(self.rotary_emb, self.attn):
+            kv_store = self.attn.fused_kv_store(value)
         if self.q_norm is not None and self.k_norm is not None:
-            query, key = qk_norm_rotary(positions, query, key, self.q_norm, self.k_norm, self.rotary_emb)
+            query, key = qk_norm_rotary(positions, query, key, self.q_norm, self.k_norm, self.rotary_emb, kv_store)
         else:
-            query, key = self.rotary_emb(positions, query, key)
-        return self.o_proj(self.attn(query, key, value))
+            query, key = self.rotary_emb(positions, query, key, kv_store=kv_store)
+        return self.o_proj(self.attn(query, key, value, kv_store=kv_store))
 
 
 class DecoderLayer(nn.Module):

@@ -37,3 +37,27 @@ def run_script_under_interpreter(script: str) -> None:
     result = subprocess.run([sys.executable, os.path.join(HERE, script), "cpu"], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def make_kv_store(num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+                  g: torch.Generator):
+    """A FusedKVStore over a random 6-block cache (block size 4), distinct random slots with two padding rows
+    (slot -1), and random values; plus a copy of the cache before any store."""
+    from pellucid.attention.fused_kv_store import FusedKVStore
+    cache = torch.randn(2, 6, 4, kv_heads, head_dim, generator=g).to(dtype).to(device)
+    slots = torch.randperm(24, generator=g)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=g)[:2]] = -1
+    value = torch.randn(num_tokens, kv_heads, head_dim, generator=g).to(dtype).to(device)
+    return FusedKVStore(value, cache, slots.to(device)), cache.clone()
+
+
+def assert_kv_stored(store, cache_before: torch.Tensor, key: torch.Tensor, what: str) -> None:
+    """Brute force: each token with a slot has exactly its key and value there; every other entry is unchanged."""
+    assert store.stored, f"{what}: the kernel did not mark the KV store done"
+    expected = cache_before.clone()
+    block_size = expected.shape[2]
+    for token, slot in enumerate(store.slot_mapping.tolist()):
+        if slot >= 0:
+            expected[0, slot // block_size, slot % block_size] = key[token]
+            expected[1, slot // block_size, slot % block_size] = store.value[token]
+    assert torch.equal(store.kv_cache, expected), f"{what}: the KV cache differs from the slot-by-slot store"

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from pellucid.models import layers
-from tests.gpu.check_support import assert_close
+from tests.gpu.check_support import assert_close, assert_kv_stored, make_kv_store
 
 
 def check_add_rms_norm(device: str, dtype: torch.dtype, seed: int) -> None:
@@ -61,11 +61,21 @@ def check_qk_norm_rotary(device: str, dtype: torch.dtype, seed: int) -> None:
             ref_q = layers.apply_rotary(q_norm(q.clone()), cos, sin)
             ref_k = layers.apply_rotary(k_norm(k.clone()), cos, sin)
         v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+        qkv_again = qkv.clone()
         qk_norm_rotary_inplace(positions, q, k, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6, 1e-5,
                                rope.cos_sin_cache)
         assert_close(q, ref_q, dtype, f"qk_norm_rotary q {heads}/{kv_heads}x{head_dim} {dtype}")
         assert_close(k, ref_k, dtype, f"qk_norm_rotary k {heads}/{kv_heads}x{head_dim} {dtype}")
         assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before), "qk_norm_rotary wrote into v"
+        # The same kernel storing the keys and the values (the v part of qkv) into a paged cache on the way.
+        store, cache_before = make_kv_store(num_tokens, kv_heads, head_dim, dtype, device, g)
+        store.value = qkv_again[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+        q_again = qkv_again[:, :heads * head_dim].view(num_tokens, heads, head_dim)
+        k_again = qkv_again[:, heads * head_dim:(heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+        qk_norm_rotary_inplace(positions, q_again, k_again, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6,
+                               1e-5, rope.cos_sin_cache, store)
+        assert torch.equal(qkv_again, qkv), "qk_norm_rotary with a KV store computed differently"
+        assert_kv_stored(store, cache_before, k, f"qk_norm_rotary KV store {heads}/{kv_heads}x{head_dim} {dtype}")
 
 
 def run_all(device: str) -> None:

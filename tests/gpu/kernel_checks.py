@@ -10,7 +10,7 @@ import sys
 import torch
 
 from pellucid.models import layers
-from tests.gpu.check_support import assert_close
+from tests.gpu.check_support import assert_close, assert_kv_stored, make_kv_store
 
 
 def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,9 +53,15 @@ def check_rotary(device: str, dtype: torch.dtype, seed: int) -> None:
         cos = rope.cos_sin_cache[0].index_select(0, positions)
         sin = rope.cos_sin_cache[1].index_select(0, positions)
         ref_q, ref_k = layers.apply_rotary(q, cos, sin), layers.apply_rotary(k, cos, sin)
+        q_again, k_again = q.clone(), k.clone()
         rotary_inplace(positions, q, k, rope.cos_sin_cache)
         assert_close(q, ref_q, dtype, f"rotary q {heads}/{kv_heads}x{head_dim} {dtype}")
         assert_close(k, ref_k, dtype, f"rotary k {heads}/{kv_heads}x{head_dim} {dtype}")
+        # The same rotation storing the keys and values into a paged cache on the way.
+        store, cache_before = make_kv_store(num_tokens, kv_heads, head_dim, dtype, device, g)
+        rotary_inplace(positions, q_again, k_again, rope.cos_sin_cache, store)
+        assert torch.equal(q_again, q) and torch.equal(k_again, k), "rotary with a KV store rotated differently"
+        assert_kv_stored(store, cache_before, k, f"rotary KV store {heads}/{kv_heads}x{head_dim} {dtype}")
 
 
 def run_all(device: str) -> None:
