@@ -10,7 +10,8 @@ import torch
 
 @dataclass
 class CommonAttentionMetadata:
-    """Built on the CPU from persistent pinned buffers and copied to the device once per step.
+    """Built on the CPU from persistent host buffers; on CUDA its device tensors are views of one staging
+    region filled by one copy per step (pellucid/runner/staging.py).
 
     Token rows are the flat batch layout: request r owns rows query_start_loc[r]:query_start_loc[r+1].
     The `*_cpu` tensors are host copies for backends that plan on the host (no device-to-host reads).

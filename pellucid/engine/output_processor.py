@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,6 +19,9 @@ from pellucid.outputs import CompletionOutput, Logprob, PositionLogprobs, Reques
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import IncrementalDetokenizer
+
+# request.extras key whose dict (saves, save_positions, trace_error, ...) becomes RequestOutput.extras.
+FEATURE_OUTPUTS_KEY = "outputs"
 
 # `status not in _UNFINISHED` instead of `request.is_finished`: the enum property (and an enum's Python-level
 # __hash__ in a set) costs several times more than identity tests, and this runs for every request every step.
@@ -201,12 +205,17 @@ class OutputProcessor:
         metrics = {"arrival_time": first.arrival_time}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
-        feature_outputs = first.extras.get("outputs") if first.extras else None
+        if finished:
+            extras = _take_feature_outputs(seqs)
+        else:
+            # A snapshot: the request keeps its feature outputs until its final output takes them.
+            feature_outputs = first.extras.get(FEATURE_OUTPUTS_KEY) if first.extras else None
+            extras = dict(feature_outputs) if feature_outputs else {}
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=max(first.num_cached_tokens, 0), error=error,
-            metrics=metrics, extras=dict(feature_outputs) if feature_outputs else {})
+            metrics=metrics, extras=extras)
 
     def _completion(self, parent: ParentState, seq: SequenceState, all_finished: bool) -> CompletionOutput:
         req = seq.request
@@ -248,3 +257,11 @@ class OutputProcessor:
             self.child_to_parent.pop(child_id, None)
             self._per_token.pop(child_id, None)
             self._streaming_children.discard(child_id)
+
+
+def _take_feature_outputs(seqs: list[SequenceState]) -> dict[str, Any]:
+    """The first sequence's feature outputs, taken out of every sequence's request: the final RequestOutput
+    becomes their only owner. Finished requests stay referenced by engine internals until later steps
+    (persistent batch rows, the last step's trace); saves left in them would outlive the user's outputs."""
+    taken = [s.request.extras.pop(FEATURE_OUTPUTS_KEY, None) if s.request.extras else None for s in seqs]
+    return taken[0] if taken[0] else {}

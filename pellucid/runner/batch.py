@@ -11,6 +11,7 @@ from pellucid.attention.metadata import CommonAttentionMetadata
 from pellucid.engine.request import Request
 from pellucid.engine.scheduler_output import SchedulerOutput
 from pellucid.runner.buffers import StepBuffers
+from pellucid.runner.staging import StepInputs
 from pellucid.sampling_params import SamplingParams
 
 _all_token_ids = operator.attrgetter("all_token_ids")
@@ -50,7 +51,7 @@ class StepBatch:
 
 def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
                      num_padded_tokens: int | None = None, num_padded_reqs: int | None = None) -> StepBatch:
-    """Fill the persistent host buffers for this step and copy them to the device once.
+    """Fill the persistent host buffers for this step and copy them to the device in one copy.
 
     `num_padded_reqs` (CUDA-graph replay of a decode step) adds dummy requests of one query token
     each with seq_len 0 after the real ones, so the captured shapes hold; attention writes zeros for
@@ -185,16 +186,17 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
         asks_prompt_logprobs = any(p.prompt_logprobs is not None for p in _distinct_params(requests))
         bufs.num_rows_without_prompt_logprobs = 0 if asks_prompt_logprobs else num_reqs
 
+    inputs = _step_inputs(bufs, padded, padded_reqs, max_blocks, n_sample)
     attn = CommonAttentionMetadata(
         num_reqs=padded_reqs, num_tokens=num_tokens,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         block_size=block_size,
-        query_start_loc=bufs.query_start_loc.to_device(padded_reqs + 1),
-        seq_lens=bufs.seq_lens.to_device(padded_reqs),
-        num_computed_tokens=bufs.num_computed_tokens.to_device(padded_reqs),
-        block_table=_block_table_to_device(bufs, padded_reqs, max_blocks),
-        slot_mapping=bufs.slot_mapping.to_device(padded),
+        query_start_loc=inputs.query_start_loc,
+        seq_lens=inputs.seq_lens,
+        num_computed_tokens=inputs.num_computed_tokens,
+        block_table=inputs.block_table,
+        slot_mapping=inputs.slot_mapping,
         query_start_loc_cpu=bufs.query_start_loc.host(padded_reqs + 1),
         seq_lens_cpu=bufs.seq_lens.host(padded_reqs),
         num_computed_tokens_cpu=bufs.num_computed_tokens.host(padded_reqs),
@@ -202,22 +204,30 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
     )
     return StepBatch(
         num_tokens=num_tokens, num_padded_tokens=padded,
-        input_ids=bufs.input_ids.to_device(padded), positions=bufs.positions.to_device(padded),
-        token_to_req=bufs.token_to_req.to_device(padded),
+        input_ids=inputs.input_ids, positions=inputs.positions, token_to_req=inputs.token_to_req,
         token_to_req_cpu=token_to_req[:num_tokens], positions_cpu=token_positions,
         attn=attn, sample_requests=sample_requests,
-        sample_rows=bufs.logits_indices.to_device(n_sample),
+        sample_rows=inputs.logits_indices,
         prompt_logprob_rows=_prompt_logprob_rows(so, qsl) if asks_prompt_logprobs else [],
         pending_rows=pending_rows, pending_token_index=qsl[pending_rows + 1].astype(np.int64) - 1,
     )
 
 
-def _block_table_to_device(bufs: StepBuffers, num_reqs: int, max_blocks: int) -> torch.Tensor:
-    """Copy only the used rows; on a device the column count stays the full width so shapes are stable."""
-    table = bufs.block_table
-    if table.device is table.cpu:
-        return table.host(num_reqs, max_blocks)
-    return table.to_device(num_reqs)
+def _step_inputs(bufs: StepBuffers, num_tokens: int, num_reqs: int, max_blocks: int,
+                 num_sample_rows: int) -> StepInputs:
+    """The step's device tensors. With staging (a device), one copy of every array's used rows; the block
+    table keeps the full width so that shapes and addresses are stable. On the CPU, the host arrays
+    themselves, with only the used block-table columns."""
+    if bufs.staging is not None:
+        return bufs.staging.copy(num_tokens, num_reqs, num_sample_rows)
+    return StepInputs(
+        input_ids=bufs.input_ids.host(num_tokens), positions=bufs.positions.host(num_tokens),
+        token_to_req=bufs.token_to_req.host(num_tokens), slot_mapping=bufs.slot_mapping.host(num_tokens),
+        query_start_loc=bufs.query_start_loc.host(num_reqs + 1), seq_lens=bufs.seq_lens.host(num_reqs),
+        num_computed_tokens=bufs.num_computed_tokens.host(num_reqs),
+        block_table=bufs.block_table.host(num_reqs, max_blocks),
+        logits_indices=bufs.logits_indices.host(num_sample_rows),
+    )
 
 
 def _distinct_params(requests: list[Request]) -> list[SamplingParams]:

@@ -1,9 +1,10 @@
 """CUDA graphs for decode-only steps: one captured model forward per batch size, padded to the next one.
 
-A graph replays fixed device addresses, so every input lives in a persistent device buffer: the
-StepBuffers device tensors (token ids, positions, request map, slot mapping, query starts, sequence
-lengths, block table) and the attention backend's metadata built once at capture. A replayed step
-only refreshes those buffers (build_step_batch's one non-blocking copy) and launches the graph.
+A graph replays fixed device addresses, so every input lives at a fixed place: the step's views into
+the device staging region (token ids, positions, request map, slot mapping, query starts, sequence
+lengths, block table; staging.py places them by padded size alone) and the attention backend's metadata
+built once at capture. A replayed step only refreshes the region (build_step_batch's one non-blocking
+copy, into the views captured at that size) and launches the graph.
 
 Padding: a decode batch of n requests runs the graph of the smallest captured size B >= n with B - n
 dummy requests of one token each, slot -1 (no cache write) and seq_len 0 (attention returns zeros for
@@ -81,6 +82,8 @@ class DecodeCudaGraphs:
         bad = [s for s in sizes if s < 1 or s > limit]
         if bad:
             raise ValueError(f"cuda_graph_sizes {bad} are outside 1..{limit} (max_num_seqs / token budget)")
+        if buffers.staging is None:
+            raise ValueError("CUDA graphs replay fixed input addresses: the step buffers must stage their copies")
         self.model = model
         self.backend = backend
         self.buffers = buffers
@@ -141,24 +144,27 @@ class DecodeCudaGraphs:
         bufs.seq_lens.np[:size] = 0
         bufs.num_computed_tokens.np[:size] = 0
         bufs.block_table.np[:size] = 0
+        bufs.logits_indices.np[:size] = 0
+        # The same packing and copy as a replayed step's (build_step_batch): the views, and so the device
+        # addresses the graph bakes, are those of every later step of this size.
+        inputs = bufs.staging.copy(size, size)
         common = CommonAttentionMetadata(
             num_reqs=size, num_tokens=size, max_query_len=1, max_seq_len=self.max_model_len,
             block_size=self.block_size,
-            query_start_loc=bufs.query_start_loc.to_device(size + 1),
-            seq_lens=bufs.seq_lens.to_device(size),
-            num_computed_tokens=bufs.num_computed_tokens.to_device(size),
-            block_table=bufs.block_table.to_device(size),
-            slot_mapping=bufs.slot_mapping.to_device(size),
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            num_computed_tokens=inputs.num_computed_tokens,
+            block_table=inputs.block_table,
+            slot_mapping=inputs.slot_mapping,
             query_start_loc_cpu=bufs.query_start_loc.cpu[:size + 1],
             seq_lens_cpu=bufs.seq_lens.cpu[:size],
             num_computed_tokens_cpu=bufs.num_computed_tokens.cpu[:size],
             block_table_cpu=bufs.block_table.cpu[:size],
         )
-        input_ids = bufs.input_ids.to_device(size)
+        input_ids = inputs.input_ids
         context = ForwardContext(attn_metadata=common, backend=self.backend,
                                  backend_metadata=self.backend.build_metadata(common), kv_caches=kv_caches,
-                                 positions=bufs.positions.to_device(size),
-                                 token_to_req=bufs.token_to_req.to_device(size))
+                                 positions=inputs.positions, token_to_req=inputs.token_to_req)
         with forward_context(context), (hooks(size) if hooks is not None else contextlib.nullcontext()):
             for _ in range(2):      # compile the Triton kernels and warm the allocator outside the capture
                 self.model(input_ids)
@@ -191,7 +197,7 @@ class DecodeCudaGraphs:
 
     def replay(self, size: int, tap_key: Hashable = ()) -> torch.Tensor:
         """Run the graph of `size` (captured with the taps of `tap_key`, if any); its inputs must already
-        be in the buffers. Returns [size, hidden]."""
+        be copied (build_step_batch padded to `size`). Returns [size, hidden]."""
         captured = self._tap_graphs[(size, tap_key)] if tap_key else self._graphs[size]
         self.num_tap_replays += bool(tap_key)
         captured.graph.replay()

@@ -114,14 +114,27 @@ class ModelRunner:
         # ---- CUDA graphs (end) ----
         self.tap_runtime = TapRuntime(max_num_batched_tokens, device)   # tracing taps' persistent buffers
         # False while no request the engine holds is traced: launch() then skips the per-request trace scan.
-        self.trace_possible = True
+        self._trace_possible = True
         self._sampling_cache: tuple[list[SamplingParams], SamplingMetadata] | None = None
         # The last launched step's sampled ids (device) and their requests, in row order: a step launched
         # ahead of that step's readback takes its pending input ids from here (_feed_pending_tokens).
         self._last_sampled: tuple[torch.Tensor, list[Any]] | None = None
+        self._last_sampled_by: LaunchedStep | None = None     # the step that set _last_sampled
         # Recorded after each step's host-to-device input copies: the pinned host buffers they read are
         # rewritten by the next step's batch building, which may run while that step is in flight.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    @property
+    def trace_possible(self) -> bool:
+        return self._trace_possible
+
+    @trace_possible.setter
+    def trace_possible(self, possible: bool) -> None:
+        self._trace_possible = possible
+        if not possible:
+            # The next launch would drop the last decode step's trace anyway (nothing is traced): drop it now,
+            # with the finished requests and save logs it holds, instead of whenever the next step comes.
+            self.tap_runtime.last_trace = None
 
     @property
     def supports_prefix_caching(self) -> bool:
@@ -222,18 +235,19 @@ class ModelRunner:
             trace = self.tap_runtime.last_trace = None
         graph_key = trace.graph_key if trace is not None else ()
         graph_size = None
+        # Before any host input is written: capturing a tap variant writes them too.
+        self._wait_for_input_copies()
         if self.cuda_graphs is not None and graph_key is not None:
             graph_size = self.cuda_graphs.size_for(so, handled_extras_keys=TRACE_EXTRAS_KEYS if trace else ())
             if graph_size is not None and graph_key and not self.cuda_graphs.ensure_variant(
                     graph_size, graph_key, trace.capture_hooks, self.kv_caches):
                 graph_size = None
-        self._wait_for_input_copies()
         batch = build_step_batch(so, self.buffers, self.block_size, num_padded_tokens=graph_size,
                                  num_padded_reqs=graph_size)
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()     # right after the step's one input copy (build_step_batch)
         if len(batch.pending_rows):
             self._feed_pending_tokens(so.requests, batch)
-        if self._inputs_copied is not None:
-            self._inputs_copied.record()
         extras = self.state_pool.prepare(so) if self.state_pool is not None else None
         if trace is not None:
             trace.prepare(batch.num_padded_tokens, graph=graph_size is not None)
@@ -268,11 +282,16 @@ class ModelRunner:
             out.prompt_logprobs[rid] = (first, [(p_ids[r], p_lps[r], p_ranks[r]) for r in range(len(p_ranks))])
         if step.trace is not None:
             step.trace.finish_step(out)
+        if step is self._last_sampled_by:
+            # No step was launched after this one, so the next is scheduled with every token on the host and
+            # none pending: its sampled ids are not needed, nor its requests (finished ones among them) kept.
+            self._last_sampled = self._last_sampled_by = None
         return out
 
     def _wait_for_input_copies(self) -> None:
-        """Before the pinned input buffers are rewritten, the previous step's copies out of them must be
-        done. They are queued first in that step, so by now they almost always are (query, no wait)."""
+        """Before the pinned host staging region (and the block table in it) is rewritten, the previous
+        step's copy out of it must be done. It is queued first in that step, so by now it almost always is
+        (query, no wait)."""
         copied = self._inputs_copied
         if copied is not None and not copied.query():
             with self._device_readback():
@@ -285,7 +304,7 @@ class ModelRunner:
             raise RuntimeError("a scheduled token is pending, but no launched step sampled it")
         sampled, sampled_requests = self._last_sampled
         pending = [requests[i] for i in batch.pending_rows.tolist()]
-        input_ids = self.buffers.input_ids.device
+        input_ids = batch.input_ids     # this step's device view (staging.py), where its copy put the ids
         count = len(pending)
         in_order = (count <= len(sampled_requests) and all(map(operator.is_, pending, sampled_requests))
                     and batch.pending_token_index[-1] == count - 1)
@@ -344,7 +363,7 @@ class ModelRunner:
         """Queue LM head + sampler (and prompt logprobs) and the copies of their results to the host."""
         requests = batch.sample_requests
         step = LaunchedStep(list(map(_request_id, requests)), [], trace=trace)
-        self._last_sampled = None
+        self._last_sampled = self._last_sampled_by = None
         if trace is not None:
             trace.apply_logits_ops(self.head, hidden)   # `logits` site: exact logits, edits reach the sampler
         if requests:
@@ -356,6 +375,7 @@ class ModelRunner:
                 result = trace.sample(self.head, self.sampler, sample_hidden, sampling)
                 trace.record_tokens(result.sampled_token_ids)
             self._last_sampled = (result.sampled_token_ids, requests)
+            self._last_sampled_by = step
             step.token_ids = _to_host(result.sampled_token_ids)
             if result.logprobs is not None:
                 step.logprobs = _logprobs_to_host(result.logprobs)
