@@ -41,6 +41,9 @@ class StepBatch:
     attn: CommonAttentionMetadata
     sample_requests: list[Request]     # requests that sample this step, in row order
     sample_rows: torch.Tensor          # [len(sample_requests)] device row index of each one's last token
+    # True when sample_rows is 0, 1, ..., n - 1 (every request samples and has one row: a decode step), so
+    # the rows to sample are the leading rows of the hidden states and need no gather.
+    sample_rows_are_leading: bool = False
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
     # Requests (row indices) whose last scheduled token is pending: sampled by the step in flight, its id
     # not on the host yet (async scheduling). input_ids holds 0 at pending_token_index until the runner
@@ -207,7 +210,7 @@ def build_step_batch(so: SchedulerOutput, bufs: StepBuffers, block_size: int,
         input_ids=inputs.input_ids, positions=inputs.positions, token_to_req=inputs.token_to_req,
         token_to_req_cpu=token_to_req[:num_tokens], positions_cpu=token_positions,
         attn=attn, sample_requests=sample_requests,
-        sample_rows=inputs.logits_indices,
+        sample_rows=inputs.logits_indices, sample_rows_are_leading=all_sample and num_tokens == num_reqs,
         prompt_logprob_rows=_prompt_logprob_rows(so, qsl) if asks_prompt_logprobs else [],
         pending_rows=pending_rows, pending_token_index=qsl[pending_rows + 1].astype(np.int64) - 1,
     )

@@ -368,7 +368,10 @@ class ModelRunner:
             trace.apply_logits_ops(self.head, hidden)   # `logits` site: exact logits, edits reach the sampler
         if requests:
             sampling = self._sampling_metadata(requests)
-            sample_hidden = hidden.index_select(0, batch.sample_rows)   # index_select: no bounds sync
+            if batch.sample_rows_are_leading:     # a decode step: a view, no gather kernel
+                sample_hidden = hidden[:len(requests)]
+            else:
+                sample_hidden = hidden.index_select(0, batch.sample_rows)   # index_select: no bounds sync
             if trace is None:
                 result = self.head.sample(sample_hidden, sampling, self.sampler)
             else:

@@ -138,6 +138,10 @@ def check_against_reference(so: SchedulerOutput, batch: StepBatch, padded: int, 
     sampling = [i for i, s in enumerate(so.samples) if s]
     assert batch.sample_requests == [so.requests[i] for i in sampling]
     assert batch.sample_rows.tolist() == [qsl[i + 1] - 1 for i in sampling]
+    # The leading-rows flag (the runner then samples hidden[:n] without a gather) only when it is exact.
+    leading = batch.sample_rows.tolist() == list(range(len(sampling))) and len(sampling) == n_reqs \
+        and num_tokens == n_reqs
+    assert batch.sample_rows_are_leading == leading
     assert batch.pending_rows.tolist() == pending_rows
     assert batch.pending_token_index.tolist() == [qsl[i + 1] - 1 for i in pending_rows]
     got = [(p.request, p.rows.tolist(), p.target_token_ids, p.first_position) for p in batch.prompt_logprob_rows]
