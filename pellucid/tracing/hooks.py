@@ -84,6 +84,8 @@ class StepTrace:
         self._steps = 0                         # decode steps this trace has advanced by
         self._batch_index = np.array([t.batch_index for t in traced], dtype=np.int64)
         self._first_positions = np.array([t.first_position for t in traced], dtype=np.int64)
+        # Traced requests are the batch's first rows (every row, when the batch has no more): see _continues.
+        self._leading_rows_traced = bool(np.array_equal(self._batch_index, np.arange(len(traced))))
         self._logits_users = [t for t in traced if t.plan.has_logits_ops]
         self._logit_editors = [t for t in traced if t.plan.edits_logits]
         self._token_users = [t for t in traced if t.sample_index is not None and t.plan.has_tokens_ops]
@@ -143,17 +145,19 @@ class StepTrace:
             return False
         if self._any_failed or not all(map(operator.is_, requests, self.requests)) or not all(so.samples):
             return False
-        computed = np.asarray(so.num_computed_tokens, dtype=np.int64)[self._batch_index]
-        return bool(np.array_equal(computed, self._first_positions + (self._steps + 1)))
+        computed = np.asarray(so.num_computed_tokens, dtype=np.int64)
+        if not (self._leading_rows_traced and computed.size == self._batch_index.size):
+            computed = computed[self._batch_index]
+        # Equal shapes here (the same requests, the same traced rows): an elementwise compare suffices.
+        return bool((computed == self._first_positions + (self._steps + 1)).all())
 
     def _advance(self) -> None:
         """Move every traced request one position on; forget the last step's per-step state.
-        A _Traced's first_position is brought up to date only when it is read (_up_to_date); the taps'
-        users are moved here, since every tap reads them each step."""
+        A _Traced's first_position is brought up to date only when it is read (_up_to_date); a tap counts
+        the steps for all its users at once (TargetTap.steps)."""
         self._steps += 1
         for tap in self.taps.values():
-            for u in tap.users:
-                u.first_position += 1
+            tap.steps += 1
         self.sampling_logits = None
 
     def _up_to_date(self, users: list[_Traced]) -> list[_Traced]:

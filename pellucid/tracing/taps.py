@@ -181,7 +181,7 @@ class TapUser:
     program: TapProgram
     row_start: int
     num_rows: int
-    first_position: int
+    first_position: int             # at the trace's first step (TargetTap.steps counts the steps since)
 
 
 class _HostBuffers:
@@ -346,7 +346,12 @@ class _LoggedStage:
 
 class _DecodeLayout:
     """Every user has one row (a decode step): their programs concatenated once, so that filling a step is
-    a few numpy gathers over all users instead of work per user."""
+    a few numpy gathers over all users instead of work per user.
+
+    A step's tap depends only on each user's program row at its position, and every user moves on one
+    position per step. So the layout also knows, per user, the next position at which its row changes
+    (`_next_change`): until the first user reaches one, the step's edit tensors and save stages are the
+    last step's (only the saves' positions move on), and a steady step does no per-user work at all."""
 
     def __init__(self, tap: "TargetTap", runtime: TapRuntime) -> None:
         users = tap.users
@@ -357,6 +362,11 @@ class _DecodeLayout:
         self.params = np.concatenate([p.params for p in progs])
         self.value_local = np.concatenate([p.value_local for p in progs])
         self.has_value = np.concatenate([p.has_value for p in progs])
+        changed = np.zeros(self.params.shape[0], dtype=bool)
+        changed[1:] = (np.any(self.params[1:] != self.params[:-1], axis=1)
+                       | (self.value_local[1:] != self.value_local[:-1]) | (self.has_value[1:] != self.has_value[:-1]))
+        changed[self.bases] = True
+        self.edit_next_change = _next_change(changed)
         # Value table rows: fixed while the same users stay (one start per distinct set of forms).
         self.tables: list[torch.Tensor] = []
         self.starts = np.zeros(len(users), dtype=np.int64)
@@ -372,29 +382,38 @@ class _DecodeLayout:
                 self.starts[i] = table_rows[key]
         self.table: torch.Tensor | None = None       # built on the first fill (the forms are fixed)
         # Every user advances one position per step (hooks.py reuses a decode layout only then), so the
-        # positions are the first ones plus the number of steps since.
+        # positions are the users' first ones plus the tap's step count.
         self.first_positions = np.array([u.first_position for u in users], dtype=np.int64)
         # Per stage: the rows of the last step's hits and their device index, reused while unchanged.
         self.last_index: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
         # Per stage: the log of the steps in which every pair saved (made on the first such step).
         self.logs: dict[str, SaveLog] = {}
         self.stages = {}
+        # Per stage: (hit pairs' users, their save lists or None when every pair hit, device index) of the
+        # last step the hits were computed in, and the first step count at which they may differ.
+        self.last_hits: dict[str, tuple[np.ndarray, list[list[Any]] | None, torch.Tensor | None]] = {}
+        self.hits_valid_until: dict[str, int] = {}
         for name in ("pre_saves", "post_saves"):
             pairs = [(i, u.plan.saves[u.plan.save_names[op_index]], mask)
                      for i, u in enumerate(users) for op_index, mask in getattr(u.program, name)]
             masks = [m for _, _, m in pairs]
             mask_lengths = np.array([m.size for m in masks], dtype=np.int64)
-            self.stages[name] = (np.array([i for i, _, _ in pairs], dtype=np.int64),
-                                 [lst for _, lst, _ in pairs],
-                                 np.concatenate(masks) if masks else np.zeros(0, dtype=bool),
-                                 np.concatenate([[0], np.cumsum(mask_lengths)[:-1]]).astype(np.int64))
+            mask_flat = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
+            mask_bases = np.concatenate([[0], np.cumsum(mask_lengths)[:-1]]).astype(np.int64)
+            changed = np.zeros(mask_flat.size, dtype=bool)
+            changed[1:] = mask_flat[1:] != mask_flat[:-1]
+            changed[mask_bases[mask_lengths > 0]] = True
+            self.stages[name] = (np.array([i for i, _, _ in pairs], dtype=np.int64), [lst for _, lst, _ in pairs],
+                                 mask_flat, mask_bases, _next_change(changed))
+            self.hits_valid_until[name] = -1
+        # The edit tensors this layout last made (runtime.last_edit's entry) and until which step count
+        # its rows stay the same.
+        self.edit_state: _EditState | None = None
+        self.edit_valid_until = -1
 
-    def positions(self, users: list[TapUser]) -> np.ndarray:
+    def positions(self, tap: "TargetTap") -> np.ndarray:
         """The users' positions this step, without a per-user Python loop."""
-        steps = users[0].first_position - self.first_positions[0]
-        if users[-1].first_position - self.first_positions[-1] == steps:
-            return self.first_positions + steps
-        return np.fromiter((u.first_position for u in users), dtype=np.int64, count=len(users))
+        return self.first_positions + tap.steps
 
     def _log(self, stage: str, lists: list[list[Any]]) -> SaveLog:
         """The stage's log; made (and referenced from every pair's save list) on its first step."""
@@ -407,38 +426,79 @@ class _DecodeLayout:
                 saves.extend((log, None, pair))
         return log
 
+    def _hits(self, name: str, tap: "TargetTap", runtime: TapRuntime,
+              positions: np.ndarray) -> tuple[np.ndarray, list[list[Any]] | None, torch.Tensor | None]:
+        """The stage's hit pairs this step: recomputed only once some pair's mask may have changed."""
+        if tap.steps < self.hits_valid_until[name]:
+            return self.last_hits[name]
+        pair_user, lists, mask_flat, mask_bases, next_change = self.stages[name]
+        if not pair_user.size:
+            self.hits_valid_until[name] = _FOREVER
+            hits = self.last_hits[name] = (pair_user, [], None)
+            return hits
+        flat = mask_bases + positions[pair_user]
+        hit = np.flatnonzero(mask_flat[flat])
+        self.hits_valid_until[name] = tap.steps + int(np.min(next_change[flat] - flat))
+        users = pair_user[hit]
+        index = None
+        if hit.size:
+            rows = self.rows[users]
+            last = self.last_index.get(name)
+            if last is not None and np.array_equal(last[0], rows):
+                index = last[1]        # the same rows as last step: the device index is still valid
+            else:
+                index = runtime.index_to_device(tap.target, name, rows)
+                self.last_index[name] = (rows, index)
+        hit_lists = None if hit.size == len(lists) else [lists[j] for j in hit.tolist()]
+        hits = self.last_hits[name] = (users, hit_lists, index)
+        return hits
+
     def fill(self, tap: "TargetTap", runtime: TapRuntime, num_rows: int) -> None:
-        positions = self.positions(tap.users)
+        positions = self.positions(tap)
         stages = []
         for name in ("pre_saves", "post_saves"):
-            pair_user, lists, mask_flat, mask_bases = self.stages[name]
-            hit = np.flatnonzero(mask_flat[mask_bases + positions[pair_user]]) if pair_user.size else pair_user
-            users = pair_user[hit]
-            index = None
-            if hit.size:
-                rows = self.rows[users]
-                last = self.last_index.get(name)
-                if last is not None and np.array_equal(last[0], rows):
-                    index = last[1]        # the same rows as last step: the device index is still valid
-                else:
-                    index = runtime.index_to_device(tap.target, name, rows)
-                    self.last_index[name] = (rows, index)
-            if hit.size and hit.size == len(lists):
-                stages.append(_LoggedStage(self._log(name, lists), index, positions[users]))
-                continue
-            stages.append(_DecodeStage([lists[j] for j in hit.tolist()], positions[users].tolist(), index))
+            users, hit_lists, index = self._hits(name, tap, runtime, positions)
+            if hit_lists is None:
+                stages.append(_LoggedStage(self._log(name, self.stages[name][1]), index, positions[users]))
+            else:
+                stages.append(_DecodeStage(hit_lists, positions[users].tolist(), index))
         tap.pre, tap.post = stages
-        if not tap.edits:
-            return
+
+    def reuse_edit(self, tap: "TargetTap", runtime: TapRuntime, num_rows: int, static: _StaticBuffers | None) -> bool:
+        """Take the last step's edit tensors when no user's row changed since and nothing else has replaced
+        them (the same rows, the same static buffers): a steering vector on every decode step sends and
+        computes nothing."""
+        state = self.edit_state
+        if (state is None or tap.steps >= self.edit_valid_until or runtime.last_edit.get(tap.target) is not state
+                or state.static != (static is not None) or state.keep.shape[0] != num_rows
+                or (static is not None and state.keep.data_ptr() != static.keep.data_ptr())):
+            return False
+        tap.keep, tap.scale, tap.add, tap.table = state.keep, state.scale, state.add, self.table
+        return True
+
+    def fill_edit(self, tap: "TargetTap", runtime: TapRuntime, num_rows: int) -> None:
+        """Write this step's (keep, scale, coef) and value rows into the tap's host staging."""
+        positions = self.positions(tap)
         host = tap.host
         index = self.bases + positions
         host.params_np[:num_rows] = (1.0, 1.0, 0.0)
         host.value_index_np[:num_rows] = 0
         host.params_np[self.rows] = self.params[index]
         host.value_index_np[self.rows] = self.value_local[index] + self.starts * self.has_value[index]
+        self.edit_valid_until = tap.steps + int(np.min(self.edit_next_change[index] - index))
         if self.table is None:
             self.table = tap._value_table(runtime, self.tables)
         tap.table = self.table
+
+
+_FOREVER = np.iinfo(np.int64).max
+
+
+def _next_change(changed: np.ndarray) -> np.ndarray:
+    """Per index k: the smallest j > k with changed[j] (len(changed) if none)."""
+    starts = np.flatnonzero(changed)
+    bounded = np.append(starts, changed.size)
+    return bounded[np.searchsorted(starts, np.arange(changed.size), side="right")]
 
 
 class TargetTap:
@@ -457,6 +517,10 @@ class TargetTap:
         self.table: torch.Tensor | None = None
         self.num_rows = 0
         self.host: _HostBuffers | None = None          # this step's staging (edits only)
+        # Decode steps this tap has moved on by (hooks.py reuses a trace for the next decode step of the
+        # same batch): user u is at position u.first_position + steps.
+        self.steps = 0
+        self.decode_only = all(u.num_rows == 1 for u in users)
         self._decode: _DecodeLayout | None = None     # built on the first all-decode step, kept while reused
 
     @property
@@ -467,21 +531,29 @@ class TargetTap:
     def prepare(self, runtime: TapRuntime, num_rows: int, static: _StaticBuffers | None) -> None:
         """Fill the host arrays from each user's program slices, copy once, build keep / scale / add."""
         self.num_rows = num_rows
-        self.host = runtime.host_buffers(self.target) if self.edits else None
-        if all(u.num_rows == 1 for u in self.users):
-            if self._decode is None:
-                self._decode = _DecodeLayout(self, runtime)
-            self._decode.fill(self, runtime, num_rows)
-        else:
+        if not self.decode_only:
+            self.host = runtime.host_buffers(self.target) if self.edits else None
             self._fill_per_user(runtime, num_rows)
-        if self.edits:
-            self._to_device(runtime, num_rows, static)
+            if self.edits:
+                self._to_device(runtime, num_rows, static)
+            return
+        layout = self._decode
+        if layout is None:
+            layout = self._decode = _DecodeLayout(self, runtime)
+        layout.fill(self, runtime, num_rows)
+        if not self.edits or layout.reuse_edit(self, runtime, num_rows, static):
+            self.host = None
+            return
+        self.host = runtime.host_buffers(self.target)
+        layout.fill_edit(self, runtime, num_rows)
+        self._to_device(runtime, num_rows, static)
+        layout.edit_state = runtime.last_edit.get(self.target)
 
     def _fill_per_user(self, runtime: TapRuntime, num_rows: int) -> None:
         device = runtime.device
         self.pre, self.post = _Stage(), _Stage()
         for u in self.users:
-            p0, r0, n = u.first_position, u.row_start, u.num_rows
+            p0, r0, n = u.first_position + self.steps, u.row_start, u.num_rows
             for stage, saves in ((self.pre, u.program.pre_saves), (self.post, u.program.post_saves)):
                 for op_index, mask in saves:
                     if n == 1:      # decode: one row
@@ -505,7 +577,7 @@ class TargetTap:
             prog = u.program
             if not prog.edits:
                 continue
-            p0, r0, n = u.first_position, u.row_start, u.num_rows
+            p0, r0, n = u.first_position + self.steps, u.row_start, u.num_rows
             params[r0:r0 + n] = prog.params[p0:p0 + n]
             if prog.value_ops:
                 key, forms = prog.forms.get(device) or _program_forms(u.plan, prog, device)

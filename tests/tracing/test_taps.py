@@ -156,13 +156,8 @@ class GraphStandIn:
             return self.runner._forward(self.batch)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_graph_tap_path_equals_the_eager_tap_path(make_llm, monkeypatch, seed):
-    llm = make_llm("llama")
-    lens = torch.randint(5, 20, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
-    prompts = random_prompts(seed + 10, lens)
-    eager = run(llm, prompts, single_edit_plans(seed, lens, 6), 6)
-
+def install_graph_stand_in(llm: Any, monkeypatch: Any) -> GraphStandIn:
+    """Make the engine's decode steps go through a GraphStandIn, which sees each step's batch."""
     runner = llm.engine.runner
     stand_in = GraphStandIn(runner)
     build = model_runner_module.build_step_batch
@@ -172,6 +167,17 @@ def test_graph_tap_path_equals_the_eager_tap_path(make_llm, monkeypatch, seed):
         return stand_in.batch
     monkeypatch.setattr(model_runner_module, "build_step_batch", build_and_keep)
     monkeypatch.setattr(runner, "cuda_graphs", stand_in)
+    return stand_in
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_graph_tap_path_equals_the_eager_tap_path(make_llm, monkeypatch, seed):
+    llm = make_llm("llama")
+    lens = torch.randint(5, 20, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    prompts = random_prompts(seed + 10, lens)
+    eager = run(llm, prompts, single_edit_plans(seed, lens, 6), 6)
+
+    stand_in = install_graph_stand_in(llm, monkeypatch)
     graphed = run(llm, prompts, single_edit_plans(seed, lens, 6), 6)
     assert any(stand_in.replays), "no decode step replayed with taps"
     assert_same(graphed, eager)
