@@ -1,0 +1,42 @@
+"""DecodeCudaGraphs.size_for (no GPU needed: it reads only host state): which captured size a step replays,
+and that a request whose extras need the eager forward keeps the step eager unless the caller handles them."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+from pellucid.runner.cuda_graphs import DecodeCudaGraphs, require_eager_for_extras_key
+
+require_eager_for_extras_key("needs_hooks")     # a feature key like tracing's, registered for this test
+
+
+def _step(extras: list[dict | None], tokens_per_request: int = 1) -> SimpleNamespace:
+    requests = [SimpleNamespace(extras=e) for e in extras]
+    return SimpleNamespace(requests=requests, num_reqs=len(requests),
+                           total_num_scheduled_tokens=tokens_per_request * len(requests))
+
+
+def _graphs(sizes: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(sizes=sizes, _graphs={s: object() for s in sizes})
+
+
+def _reference(sizes: list[int], so: SimpleNamespace, handled: tuple[str, ...]) -> int | None:
+    """Brute force over the rule: decode-only, fits a size, and no request holds an eager key not handled."""
+    if so.num_reqs == 0 or so.num_reqs > sizes[-1] or so.total_num_scheduled_tokens != so.num_reqs:
+        return None
+    for req in so.requests:
+        for key in req.extras or {}:
+            if key in ("trace", "needs_hooks") and key not in handled:
+                return None
+    return min(s for s in sizes if s >= so.num_reqs)
+
+
+def test_size_for_matches_the_rule_on_random_steps():
+    rng = random.Random(0)
+    sizes = [1, 2, 4, 8, 16]
+    choices = [None, {}, {"trace": 1}, {"needs_hooks": 1}, {"other": 1}, {"trace": 1, "other": 2}]
+    for _ in range(400):
+        n = rng.randint(0, 20)
+        so = _step([rng.choice(choices) for _ in range(n)], tokens_per_request=rng.choice([1, 1, 1, 2]))
+        handled = rng.choice([(), ("trace",), ("trace", "needs_hooks")])
+        assert DecodeCudaGraphs.size_for(_graphs(sizes), so, handled) == _reference(sizes, so, handled)
