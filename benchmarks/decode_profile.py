@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,6 +20,25 @@ from torch.profiler import ProfilerActivity, profile
 from pellucid.bench.common import add_model_args, make_engine, print_table, random_prompts, weight_bytes_per_step
 from pellucid.bench.floors import measure_floors
 from pellucid.sampling_params import SamplingParams
+
+
+def profile_decode_steps(args: argparse.Namespace, max_model_len: int, prompt_len: int, warm_steps: int
+                         ) -> tuple[Any, profile]:
+    """An engine for args.model with args.batch requests of `prompt_len` random tokens, stepped through the
+    prefill and `warm_steps` - 1 decode steps, then args.steps decode steps under torch.profiler (CUDA)."""
+    core, _ = make_engine(args, max_model_len, max(args.batch, 1), 8192)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + warm_steps + 20, ignore_eos=True,
+                            detokenize=False)
+    for i, prompt in enumerate(random_prompts([prompt_len] * args.batch, core.runner.head.vocab_size, args.seed)):
+        core.add_request(f"p{i}", prompt, params, stream=False)
+    for _ in range(warm_steps):
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            core.step()
+        torch.cuda.synchronize()
+    return core, prof
 
 
 def main() -> None:
@@ -29,17 +49,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="kernel names to list")
     args = parser.parse_args()
     args.enforce_eager = True
-    core, _ = make_engine(args, 1024, max(args.batch, 1), 8192)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True, detokenize=False)
-    for i, prompt in enumerate(random_prompts([128] * args.batch, core.runner.head.vocab_size, args.seed)):
-        core.add_request(f"p{i}", prompt, params, stream=False)
-    for _ in range(5):      # prefill, then warm decode steps
-        core.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            core.step()
-        torch.cuda.synchronize()
+    core, prof = profile_decode_steps(args, max_model_len=1024, prompt_len=128, warm_steps=5)
     per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:

@@ -16,11 +16,10 @@ import argparse
 import collections
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from decode_profile import profile_decode_steps     # benchmarks/ is on sys.path when run as a script
 
-from pellucid.bench.common import add_model_args, make_engine, print_table, random_prompts, weight_bytes_per_step
+from pellucid.bench.common import add_model_args, print_table, weight_bytes_per_step
 from pellucid.bench.floors import measure_floors
-from pellucid.sampling_params import SamplingParams
 
 
 def short_name(name: str) -> str:
@@ -35,18 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=30, help="kernel names to list")
     args = parser.parse_args()
-    core, _ = make_engine(args, 2048, max(args.batch, 1), 8192)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 40, ignore_eos=True, detokenize=False)
-    vocab = core.runner.head.vocab_size
-    for i, prompt in enumerate(random_prompts([args.prompt_len] * args.batch, vocab, args.seed)):
-        core.add_request(f"p{i}", prompt, params, stream=False)
-    for _ in range(10):     # prefill, then warm decode steps
-        core.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            core.step()
-        torch.cuda.synchronize()
+    core, prof = profile_decode_steps(args, max_model_len=2048, prompt_len=args.prompt_len, warm_steps=10)
     kernels = sorted((e.time_range.end, e.time_range.start, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     if len(kernels) < 2:

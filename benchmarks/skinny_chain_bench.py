@@ -14,10 +14,11 @@ same run.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
+
+from skinny_gemm_bench import graph_time_us     # benchmarks/ is on sys.path when run as a script
 
 from pellucid.bench.floors import measure_floors
 from pellucid.kernels import skinny_gemm
@@ -58,25 +59,8 @@ class Chain:
         return x
 
     def time_us_per_layer(self, configs: dict[str, SkinnyConfig | None]) -> float:
-        self.forward(configs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            self.forward(configs)
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / len(self.weights))
-        return statistics.median(times)
+        """Median us per layer of CUDA-graph replays of back-to-back forwards (skinny_gemm_bench's timer)."""
+        return graph_time_us(lambda _: self.forward(configs), 1) / len(self.weights)
 
 
 def candidates(role: str, rows: int, k: int) -> list[SkinnyConfig]:
