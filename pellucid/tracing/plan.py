@@ -41,14 +41,19 @@ class TracePlan:
     """`TracePlan(ops)`: what to do for one request. `bind` gives a request its own copy with state."""
 
     def __init__(self, ops: Iterable[Op], keep_saves_on_device: bool = False) -> None:
-        self.ops: list[Op] = list(ops)
+        ops = list(ops)
+        for i, op in enumerate(ops):
+            if not isinstance(op, Op):
+                raise ValueError(f"trace op {i} is a {type(op).__name__}, not a pellucid.tracing op")
+        self._init_state(ops, keep_saves_on_device, _save_names(ops))
+
+    def _init_state(self, ops: list[Op], keep_saves_on_device: bool, save_names: dict[int, str]) -> None:
+        """Every attribute, for ops already checked (bind() makes each request's plan from checked ops)."""
+        self.ops: list[Op] = ops
         # Saves are published as device tensors (read-only; they may share memory with other saves)
         # instead of host copies: the consumer moves them itself, off the step loop (extraction).
         self.keep_saves_on_device = keep_saves_on_device
-        for i, op in enumerate(self.ops):
-            if not isinstance(op, Op):
-                raise ValueError(f"trace op {i} is a {type(op).__name__}, not a pellucid.tracing op")
-        self.save_names = _save_names(self.ops)
+        self.save_names = save_names
         # Set by bind():
         self.bound = False
         self.request_id: str | None = None
@@ -89,7 +94,8 @@ class TracePlan:
 
     def bind(self, prompt_len: int, max_total_tokens: int, request_id: str, table: Any) -> "TracePlan":
         """A fresh plan for one request: ops checked against the site table, selectors resolved."""
-        plan = TracePlan(self.ops, self.keep_saves_on_device)
+        plan = object.__new__(TracePlan)      # this plan's ops and save names were checked when it was made
+        plan._init_state(list(self.ops), self.keep_saves_on_device, dict(self.save_names))
         plan.bound = True
         plan.request_id = request_id
         limit = max_total_tokens - 1          # the last sampled token is never fed back

@@ -21,6 +21,7 @@ copied out of the static save buffers (a device op, no host sync).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -63,10 +64,15 @@ class TapProgram:
     forms: dict[torch.device, tuple[tuple[int, ...], list[torch.Tensor]]] = field(default_factory=dict)
 
     def _pack(self, value_rows: list[int]) -> None:
-        self.params = np.ascontiguousarray(np.stack([self.keep, self.scale, self.coef], axis=1))
-        self.has_value = (self.value_slot < len(self.value_ops)).astype(np.int64)
-        starts = np.concatenate([[0], np.cumsum(value_rows)]).astype(np.int64)
-        self.value_local = np.where(self.has_value == 1, starts[self.value_slot] + self.value_rank, 0)
+        # Filled column by column, and the value-row starts summed in Python: this runs once per traced
+        # request, and np.stack / np.cumsum over a handful of items cost more than the work.
+        params = np.empty((self.keep.size, 3), np.float32)
+        params[:, 0], params[:, 1], params[:, 2] = self.keep, self.scale, self.coef
+        self.params = params
+        has_value = self.value_slot < len(self.value_ops)
+        self.has_value = has_value.astype(np.int64)
+        starts = np.fromiter(itertools.accumulate(value_rows, initial=0), dtype=np.int64, count=len(value_rows) + 1)
+        self.value_local = np.where(has_value, starts[self.value_slot] + self.value_rank, 0)
 
 
 def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | None:
@@ -84,7 +90,7 @@ def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | N
         mask[plan.selected[i][plan.selected[i] < size]] = True
         masks[i] = mask
     value_indices = [i for i, op in zip(indices, ops) if isinstance(op, _VALUE_OPS)]
-    if value_indices and np.any(np.sum([masks[i] for i in value_indices], axis=0) > 1):
+    if len(value_indices) > 1 and np.any(np.sum([masks[i] for i in value_indices], axis=0) > 1):
         return None         # two values on one position: their composition needs two table rows
     program = TapProgram(
         edits=bool(edit_order), keep=np.ones(size, np.float32), scale=np.ones(size, np.float32),
