@@ -30,8 +30,7 @@ from torch import nn
 from pellucid.logger import get_logger
 from pellucid.tracing.ops import LOGITS, TOKENS
 from pellucid.tracing.plan import TRACE_KEY, TracePlan, sorted_unique
-from pellucid.tracing.taps import (Target, TapRuntime, TapUser, TargetTap, build_program, captured_tap,
-                                   install_hooks)
+from pellucid.tracing.taps import Target, TapRuntime, TapUser, TargetTap, captured_tap, install_hooks
 
 logger = get_logger(__name__)
 
@@ -184,7 +183,7 @@ class StepTrace:
                     break
                 if target not in plan.tap_programs:
                     try:
-                        plan.tap_programs[target] = build_program(plan, target, plan.limit)
+                        plan.tap_programs[target] = self.runtime.shared_programs.program_for(plan, target)
                     except ValueError as exc:     # a value that does not fit the site: this request fails
                         self._fail(t, getattr(exc, "op_index", plan.ops_at(*target)[0]), exc)
                         break

@@ -7,7 +7,8 @@ value selects each position and no save sits between two edits of the same targe
 (`apply`, several values on one position, a save between edits) keeps the per-request path of
 hooks.py.
 
-A request's ops become a `TapProgram` once: per-position arrays over the positions it computes. Each
+A request's ops become a `TapProgram` once (tap_program.py; shared between requests with the same
+ops where shared_programs.py allows): per-position arrays over the positions it computes. Each
 step then copies slices of those arrays into pinned host buffers (no per-row Python), sends them to
 the device in one copy, and the site's hook does one `where` + `addcmul` over all rows of the batch
 and one `index_select` per save stage. Rows nobody edits have keep 1, scale 1, coef 0 (exact
@@ -21,162 +22,17 @@ copied out of the static save buffers (a device op, no host sync).
 from __future__ import annotations
 
 import contextlib
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-from pellucid.tracing.ops import Add, MeanAblate, Save, Scale, Set, Zero
 from pellucid.tracing.plan import TracePlan
 from pellucid.tracing.save_log import SaveLog
-
-Target = tuple[str, str]          # (module path, "input" | "output")
-
-_VALUE_OPS = (Set, Add, MeanAblate)
-_TAP_OPS = (Save, Set, Add, MeanAblate, Scale, Zero)
-# Table forms of edit values on the device, keyed by the user's tensor: requests that share one
-# steering vector share one device copy (and one row of the step's value table).
-_TABLE_FORMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-@dataclass
-class TapProgram:
-    """One request's ops at one target as per-position arrays (index = absolute position)."""
-
-    edits: bool
-    keep: np.ndarray                        # float32 0/1: keep the original value
-    scale: np.ndarray                       # float32 multiplier of the (kept) original value
-    coef: np.ndarray                        # float32 multiplier of the value row
-    value_slot: np.ndarray                  # int64 index into value_ops, len(value_ops) = no value
-    value_rank: np.ndarray                  # int64 row of that op's table form
-    value_ops: list[int]                    # op indices carrying a value
-    pre_saves: list[tuple[int, np.ndarray]] = field(default_factory=list)    # (op index, bool mask)
-    post_saves: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    # Filled by _pack for the per-step copy: [size, 3] (keep, scale, coef); the value row within this
-    # program's own forms (0 where no value) and whether there is one (0 / 1).
-    params: np.ndarray = field(default_factory=lambda: np.empty((0, 3), np.float32))
-    value_local: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    has_value: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    forms: dict[torch.device, tuple[tuple[int, ...], list[torch.Tensor]]] = field(default_factory=dict)
-
-    def _pack(self, value_rows: list[int]) -> None:
-        # Filled column by column, and the value-row starts summed in Python: this runs once per traced
-        # request, and np.stack / np.cumsum over a handful of items cost more than the work.
-        params = np.empty((self.keep.size, 3), np.float32)
-        params[:, 0], params[:, 1], params[:, 2] = self.keep, self.scale, self.coef
-        self.params = params
-        has_value = self.value_slot < len(self.value_ops)
-        self.has_value = has_value.astype(np.int64)
-        starts = np.fromiter(itertools.accumulate(value_rows, initial=0), dtype=np.int64, count=len(value_rows) + 1)
-        self.value_local = np.where(has_value, starts[self.value_slot] + self.value_rank, 0)
-
-
-def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | None:
-    """The request's tap program at `target`, or None when its ops there need the per-request path.
-    Raises ValueError (with the op index in `exc.op_index`) when a value does not fit the site."""
-    indices = plan.ops_at(*target)
-    ops = [plan.ops[i] for i in indices]
-    if not all(isinstance(op, _TAP_OPS) for op in ops):
-        return None
-    edit_order = [k for k, op in enumerate(ops) if op.edits]
-    size = limit + 1        # one spare identity position, so a slice never runs short
-    masks = {}
-    for i in indices:
-        mask = np.zeros(size, dtype=bool)
-        mask[plan.selected[i][plan.selected[i] < size]] = True
-        masks[i] = mask
-    value_indices = [i for i, op in zip(indices, ops) if isinstance(op, _VALUE_OPS)]
-    if len(value_indices) > 1 and np.any(np.sum([masks[i] for i in value_indices], axis=0) > 1):
-        return None         # two values on one position: their composition needs two table rows
-    program = TapProgram(
-        edits=bool(edit_order), keep=np.ones(size, np.float32), scale=np.ones(size, np.float32),
-        coef=np.zeros(size, np.float32), value_slot=np.full(size, len(value_indices), np.int64),
-        value_rank=np.zeros(size, np.int64), value_ops=value_indices)
-    for k, (i, op) in enumerate(zip(indices, ops)):
-        mask = masks[i]
-        if isinstance(op, Save):
-            if edit_order and edit_order[0] < k < edit_order[-1]:
-                return None     # sees some edits of this target but not others
-            (program.post_saves if edit_order and k > edit_order[0] else program.pre_saves).append((i, mask))
-        elif isinstance(op, Scale):
-            program.scale[mask] *= op.factor
-            program.coef[mask] *= op.factor
-        elif isinstance(op, Zero):
-            program.keep[mask] = program.scale[mask] = program.coef[mask] = 0.0
-        elif isinstance(op, Add):
-            program.coef[mask] += 1.0
-        else:                   # Set, MeanAblate: replace
-            program.keep[mask] = program.scale[mask] = 0.0
-            program.coef[mask] = 1.0
-        if isinstance(op, _VALUE_OPS):
-            try:
-                _check_value(plan, i)
-            except ValueError as exc:
-                exc.op_index = i        # type: ignore[attr-defined]  (the plan fails this op)
-                raise
-            program.value_slot[mask] = value_indices.index(i)
-            if _value_has_rows(plan, i):
-                program.value_rank[plan.selected[i][plan.selected[i] < size]] = np.arange(
-                    int(np.sum(plan.selected[i] < size)))
-    program._pack([getattr(plan.ops[i], plan.ops[i].value_field).shape[0] if _value_has_rows(plan, i) else 1
-                   for i in value_indices])
-    return program
-
-
-def _value_has_rows(plan: TracePlan, op_index: int) -> bool:
-    op = plan.ops[op_index]
-    return getattr(op, op.value_field).dim() == len(plan.sites[op_index].shape) + 1
-
-
-def _check_value(plan: TracePlan, op_index: int) -> None:
-    """The same checks (and messages) as the per-request path, made on the host from the site's shape."""
-    op = plan.ops[op_index]
-    value = getattr(op, op.value_field)
-    shape = plan.sites[op_index].shape
-    num_selected = len(plan.selected[op_index])
-    rows = _value_has_rows(plan, op_index)
-    expected = (num_selected, *shape) if rows else shape
-    if rows and value.shape[0] != num_selected:
-        raise ValueError(f"{op.kind} {op.value_field} has {value.shape[0]} rows (one per selected "
-                         f"position) but the op selects {num_selected} positions of this request")
-    if not _broadcasts_to(tuple(value.shape), tuple(expected) if rows else tuple(shape)):
-        raise ValueError(f"{op.kind} {op.value_field} of shape {tuple(value.shape)} does not fit {op.target}, "
-                         f"whose per-token shape is {tuple(shape)} (expected {tuple(expected)} or a shape that "
-                         f"broadcasts to it)")
-
-
-def _broadcasts_to(source: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    """Whether a tensor of shape `source` broadcasts to exactly `target` (torch.broadcast_shapes rules,
-    without its cost: this runs once per traced request and op)."""
-    return len(source) <= len(target) and all(a in (1, b) for a, b in zip(reversed(source), reversed(target)))
-
-
-def _program_forms(plan: TracePlan, program: TapProgram, device: torch.device) -> tuple[tuple[int, ...], list[torch.Tensor]]:
-    forms = [table_form(plan, i, device) for i in program.value_ops]
-    program.forms[device] = (tuple(id(f) for f in forms), forms)
-    return program.forms[device]
-
-
-def table_form(plan: TracePlan, op_index: int, device: torch.device) -> torch.Tensor:
-    """The op's value as [rows, *site_shape] in the site's dtype on `device` (cached per user tensor)."""
-    op = plan.ops[op_index]
-    value = getattr(op, op.value_field)
-    site = plan.sites[op_index]
-    rows = value.shape[0] if _value_has_rows(plan, op_index) else 1
-    key = (device, site.dtype, site.shape, rows)
-    forms = _TABLE_FORMS.get(value)
-    if forms is None:
-        forms = _TABLE_FORMS[value] = {}
-    form = forms.get(key)
-    if form is None:
-        form = value.to(device=device, dtype=site.dtype).expand(rows, *site.shape).contiguous()
-        forms[key] = form
-    return form
-
+from pellucid.tracing.shared_programs import SharedPrograms
+from pellucid.tracing.tap_program import Target, TapProgram, program_forms
 
 # ---- one step ---------------------------------------------------------------------------------------
 @dataclass(slots=True)
@@ -245,6 +101,8 @@ class TapRuntime:
         # Per target: the last edit tensors sent to the device and the host values they came from, so a
         # step with the same values (a steering vector on every decode step) sends and computes nothing.
         self.last_edit: dict[Target, _EditState] = {}
+        # Tap programs shared by requests whose ops do the same at every position (one steering vector).
+        self.shared_programs = SharedPrograms()
 
     def _next_slot(self, key: Any) -> int:
         use = self.uses.get(key, 0)
@@ -380,7 +238,7 @@ class _DecodeLayout:
         next_row = 1
         for i, u in enumerate(users):
             if u.program.edits and u.program.value_ops:
-                key, forms = u.program.forms.get(runtime.device) or _program_forms(u.plan, u.program, runtime.device)
+                key, forms = u.program.forms.get(runtime.device) or program_forms(u.plan, u.program, runtime.device)
                 if key not in table_rows:
                     table_rows[key] = next_row
                     self.tables.extend(forms)
@@ -507,6 +365,83 @@ def _next_change(changed: np.ndarray) -> np.ndarray:
     return bounded[np.searchsorted(starts, np.arange(changed.size), side="right")]
 
 
+class _RowsLayout:
+    """The rows of a multi-row step's users and where each reads the users' programs.
+
+    The distinct programs are concatenated (requests sharing a program share its rows); row i of the
+    step's users is batch row `rows[i]`, at `positions[i]`, and reads entry `source[i]` of the
+    concatenation (program `program_of_row[i]`)."""
+
+    def __init__(self, users: list[TapUser], steps: int) -> None:
+        slot: dict[int, int] = {}
+        self.programs: list[TapProgram] = []
+        self.first_user: list[int] = []                  # per program: a user reading it
+        program_of_user = np.empty(len(users), dtype=np.int64)
+        for j, u in enumerate(users):
+            k = slot.get(id(u.program))
+            if k is None:
+                k = slot[id(u.program)] = len(self.programs)
+                self.programs.append(u.program)
+                self.first_user.append(j)
+            program_of_user[j] = k
+        lengths = np.array([p.params.shape[0] for p in self.programs], dtype=np.int64)
+        self.bases = np.cumsum(lengths) - lengths
+        self.program_of_user = program_of_user
+        counts = np.array([u.num_rows for u in users], dtype=np.int64)
+        first = np.array([u.first_position for u in users], dtype=np.int64) + steps
+        self.user_of_row = np.repeat(np.arange(len(users)), counts)
+        offset = np.arange(self.user_of_row.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.rows = np.array([u.row_start for u in users], dtype=np.int64)[self.user_of_row] + offset
+        self.positions = first[self.user_of_row] + offset
+        self.program_of_row = program_of_user[self.user_of_row]
+        self.source = self.bases[self.program_of_row] + self.positions
+        self.users = users
+
+    def fill_stage(self, stage: "_Stage", name: str) -> None:
+        """Record in `stage` every (user, save op) pair's selected rows among this step's rows."""
+        # Each program's save masks, concatenated, and the (user, save) pairs reading them.
+        masks: list[np.ndarray] = []
+        ops_of_program: list[list[tuple[int, int]]] = []     # per program: (op index, its mask's base)
+        base = 0
+        for prog in self.programs:
+            entries = []
+            for op_index, mask in getattr(prog, name):
+                entries.append((op_index, base))
+                masks.append(mask)
+                base += mask.size
+            ops_of_program.append(entries)
+        if not masks:
+            return
+        pair_user: list[int] = []
+        pair_op: list[int] = []
+        pair_base: list[int] = []
+        for j, k in enumerate(self.program_of_user.tolist()):
+            for op_index, op_base in ops_of_program[k]:
+                pair_user.append(j)
+                pair_op.append(op_index)
+                pair_base.append(op_base)
+        # Every pair's rows: the user's rows, read in the pair's mask.
+        row_starts = np.searchsorted(self.user_of_row, np.arange(len(self.users)))
+        counts = np.bincount(self.user_of_row, minlength=len(self.users))
+        users = np.array(pair_user, dtype=np.int64)
+        pair_counts = counts[users]
+        pair_of = np.repeat(np.arange(users.size), pair_counts)
+        within = np.arange(pair_of.size) - np.repeat(np.cumsum(pair_counts) - pair_counts, pair_counts)
+        row = row_starts[users][pair_of] + within                     # index into this layout's rows
+        flat = np.array(pair_base, dtype=np.int64)[pair_of] + self.positions[row]
+        hit = np.flatnonzero(np.concatenate(masks)[flat])
+        if not hit.size:
+            return
+        hit_pair = pair_of[hit]
+        stage.rows = self.rows[row[hit]].tolist()
+        positions = self.positions[row[hit]]
+        starts = np.flatnonzero(np.diff(hit_pair, prepend=-1))       # each hit pair's first hit
+        ends = np.append(starts[1:], hit.size)
+        for p, a, b in zip(hit_pair[starts].tolist(), starts.tolist(), ends.tolist()):
+            stage.records.append(_SaveRecord(self.users[pair_user[p]].plan, pair_op[p], positions[a:b], a))
+        stage.count = int(hit.size)
+
+
 class TargetTap:
     """This step's tap at one target: the device edit tensors and the save stages."""
 
@@ -539,7 +474,7 @@ class TargetTap:
         self.num_rows = num_rows
         if not self.decode_only:
             self.host = runtime.host_buffers(self.target) if self.edits else None
-            self._fill_per_user(runtime, num_rows)
+            self._fill_rows(runtime, num_rows)
             if self.edits:
                 self._to_device(runtime, num_rows, static)
             return
@@ -555,22 +490,17 @@ class TargetTap:
         self._to_device(runtime, num_rows, static)
         layout.edit_state = runtime.last_edit.get(self.target)
 
-    def _fill_per_user(self, runtime: TapRuntime, num_rows: int) -> None:
-        device = runtime.device
+    def _fill_rows(self, runtime: TapRuntime, num_rows: int) -> None:
+        """A step with multi-row users (prefill, chunked prefill, mixed): this step's save stages and edit
+        staging for every user's rows, read from the users' programs (each distinct one once, concatenated)
+        with a few numpy gathers over all rows, not a slice per user."""
+        users = self.users
+        layout = _RowsLayout(users, self.steps)
+        programs = layout.programs
         self.pre, self.post = _Stage(), _Stage()
-        for u in self.users:
-            p0, r0, n = u.first_position + self.steps, u.row_start, u.num_rows
-            for stage, saves in ((self.pre, u.program.pre_saves), (self.post, u.program.post_saves)):
-                for op_index, mask in saves:
-                    if n == 1:      # decode: one row
-                        if mask[p0]:
-                            stage.add(u.plan, op_index, r0, p0)
-                        continue
-                    hit = np.flatnonzero(mask[p0:p0 + n])
-                    if hit.size:
-                        stage.add(u.plan, op_index, hit + r0, hit + p0)
-        self.pre.finish_host(runtime, self.target, "pre_saves")
-        self.post.finish_host(runtime, self.target, "post_saves")
+        for stage, name in ((self.pre, "pre_saves"), (self.post, "post_saves")):
+            layout.fill_stage(stage, name)
+            stage.finish_host(runtime, self.target, name)
         if not self.edits:
             return
         params, value_index = self.host.params_np, self.host.value_index_np
@@ -579,20 +509,23 @@ class TargetTap:
         tables: list[torch.Tensor] = []
         table_rows: dict[tuple[int, ...], int] = {}     # a program's forms -> their first row in the table
         next_row = 1                                    # row 0: zeros, for rows without a value
-        for u in self.users:
-            prog = u.program
-            if not prog.edits:
-                continue
-            p0, r0, n = u.first_position + self.steps, u.row_start, u.num_rows
-            params[r0:r0 + n] = prog.params[p0:p0 + n]
-            if prog.value_ops:
-                key, forms = prog.forms.get(device) or _program_forms(u.plan, prog, device)
+        table_start = np.zeros(len(programs), dtype=np.int64)
+        for k, prog in enumerate(programs):
+            if prog.edits and prog.value_ops:
+                key, forms = prog.forms.get(runtime.device) or program_forms(users[layout.first_user[k]].plan, prog,
+                                                                            runtime.device)
                 start = table_rows.get(key)
                 if start is None:
                     start = table_rows[key] = next_row
                     tables.extend(forms)
                     next_row += sum(f.shape[0] for f in forms)
-                value_index[r0:r0 + n] = prog.value_local[p0:p0 + n] + start * prog.has_value[p0:p0 + n]
+                table_start[k] = start
+        edits = np.array([p.edits for p in programs], dtype=bool)[layout.program_of_row]
+        rows, source = layout.rows[edits], layout.source[edits]
+        params[rows] = np.concatenate([p.params for p in programs])[source]
+        has_value = np.concatenate([p.has_value for p in programs])[source]
+        value_index[rows] = (np.concatenate([p.value_local for p in programs])[source]
+                             + table_start[layout.program_of_row[edits]] * has_value)
         self.table = self._value_table(runtime, tables)
 
     def _to_device(self, runtime: TapRuntime, num_rows: int, static: _StaticBuffers | None) -> None:

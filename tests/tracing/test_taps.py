@@ -1,7 +1,7 @@
 """Vectorised taps (pellucid/tracing/taps.py) against the per-request path, on random inputs.
 
 The per-request path (hooks.py `_run_ops`) is the reference: forcing it is a matter of making
-`build_program` decline every target. The graph path's arithmetic (static buffers, whole-value copies
+`SharedPrograms.program_for` (where the step gets each request's tap program) decline every target. The graph path's arithmetic (static buffers, whole-value copies
 gathered after replay) is checked on the CPU through a stand-in for the CUDA graphs that runs the
 forward under the capture hooks instead of replaying; the real graphs are checked on a GPU.
 """
@@ -15,7 +15,7 @@ import torch
 from pellucid import SamplingParams
 from pellucid.runner import model_runner as model_runner_module
 from pellucid.tracing import Add, Apply, MeanAblate, Save, Scale, Set, TracePlan, Zero
-from pellucid.tracing import hooks as hooks_module
+from pellucid.tracing.shared_programs import SharedPrograms
 from tests.tracing.conftest import random_prompts
 
 HIDDEN = 64
@@ -61,7 +61,7 @@ def run(llm: Any, prompts: list[list[int]], plans: list[TracePlan | None], max_t
 
 
 def per_request_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hooks_module, "build_program", lambda plan, target, limit: None)
+    monkeypatch.setattr(SharedPrograms, "program_for", lambda self, plan, target: None)
 
 
 def assert_same(taps: list[Any], reference: list[Any], exact: bool = True) -> None:
