@@ -208,6 +208,59 @@ class _LoggedStage:
         self.log.write(source, self.index, self.positions)
 
 
+class _DistinctPrograms:
+    """The distinct programs of a step's tap users (requests sharing one, shared_programs.py, count once),
+    with what the layouts concatenate over them."""
+
+    def __init__(self, users: list[TapUser]) -> None:
+        slot: dict[int, int] = {}
+        self.programs: list[TapProgram] = []
+        self.users: list[TapUser] = []                   # per program: a user reading it
+        self.of_user = np.empty(len(users), dtype=np.int64)
+        for j, u in enumerate(users):
+            k = slot.get(id(u.program))
+            if k is None:
+                k = slot[id(u.program)] = len(self.programs)
+                self.programs.append(u.program)
+                self.users.append(u)
+            self.of_user[j] = k
+        lengths = np.array([p.params.shape[0] for p in self.programs], dtype=np.int64)
+        self.bases = np.cumsum(lengths) - lengths         # each program's first entry in a concatenation
+
+    def concatenate(self, field: str) -> np.ndarray:
+        return np.concatenate([getattr(p, field) for p in self.programs])
+
+    def masks(self, stage: str) -> tuple[np.ndarray, list[list[int]]]:
+        """The programs' save masks of `stage` concatenated, and per program the base of each of its masks."""
+        masks: list[np.ndarray] = []
+        bases: list[list[int]] = []
+        base = 0
+        for prog in self.programs:
+            own = []
+            for _, mask in getattr(prog, stage):
+                own.append(base)
+                masks.append(mask)
+                base += mask.size
+            bases.append(own)
+        return (np.concatenate(masks) if masks else np.zeros(0, dtype=bool)), bases
+
+    def table_starts(self, device: torch.device, tables: list[torch.Tensor]) -> np.ndarray:
+        """Per program, the first row of its values in the step's value table (row 0 holds zeros, for rows
+        without a value); appends each distinct set of value forms to `tables` once."""
+        starts = np.zeros(len(self.programs), dtype=np.int64)
+        rows: dict[tuple[int, ...], int] = {}
+        next_row = 1
+        for k, (prog, user) in enumerate(zip(self.programs, self.users)):
+            if prog.edits and prog.value_ops:
+                key, forms = prog.forms.get(device) or program_forms(user.plan, prog, device)
+                if key not in rows:
+                    rows[key] = next_row
+                    tables.extend(forms)
+                    next_row += sum(f.shape[0] for f in forms)
+                starts[k] = rows[key]
+        return starts
+
+
 class _DecodeLayout:
     """Every user has one row (a decode step): their programs concatenated once, so that filling a step is
     a few numpy gathers over all users instead of work per user.
@@ -219,31 +272,21 @@ class _DecodeLayout:
 
     def __init__(self, tap: "TargetTap", runtime: TapRuntime) -> None:
         users = tap.users
-        progs = [u.program for u in users]
-        lengths = np.array([p.params.shape[0] for p in progs], dtype=np.int64)
-        self.bases = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        # Each distinct program once (requests sharing a program, shared_programs.py, share its rows).
+        programs = _DistinctPrograms(users)
+        self.bases = programs.bases[programs.of_user]
         self.rows = np.array([u.row_start for u in users], dtype=np.int64)
-        self.params = np.concatenate([p.params for p in progs])
-        self.value_local = np.concatenate([p.value_local for p in progs])
-        self.has_value = np.concatenate([p.has_value for p in progs])
+        self.params = programs.concatenate("params")
+        self.value_local = programs.concatenate("value_local")
+        self.has_value = programs.concatenate("has_value")
         changed = np.zeros(self.params.shape[0], dtype=bool)
         changed[1:] = (np.any(self.params[1:] != self.params[:-1], axis=1)
                        | (self.value_local[1:] != self.value_local[:-1]) | (self.has_value[1:] != self.has_value[:-1]))
-        changed[self.bases] = True
+        changed[programs.bases] = True
         self.edit_next_change = _next_change(changed)
         # Value table rows: fixed while the same users stay (one start per distinct set of forms).
         self.tables: list[torch.Tensor] = []
-        self.starts = np.zeros(len(users), dtype=np.int64)
-        table_rows: dict[tuple[int, ...], int] = {}
-        next_row = 1
-        for i, u in enumerate(users):
-            if u.program.edits and u.program.value_ops:
-                key, forms = u.program.forms.get(runtime.device) or program_forms(u.plan, u.program, runtime.device)
-                if key not in table_rows:
-                    table_rows[key] = next_row
-                    self.tables.extend(forms)
-                    next_row += sum(f.shape[0] for f in forms)
-                self.starts[i] = table_rows[key]
+        self.starts = programs.table_starts(runtime.device, self.tables)[programs.of_user]
         self.table: torch.Tensor | None = None       # built on the first fill (the forms are fixed)
         # Every user advances one position per step (hooks.py reuses a decode layout only then), so the
         # positions are the users' first ones plus the tap's step count.
@@ -258,17 +301,19 @@ class _DecodeLayout:
         self.last_hits: dict[str, tuple[np.ndarray, list[list[Any]] | None, torch.Tensor | None]] = {}
         self.hits_valid_until: dict[str, int] = {}
         for name in ("pre_saves", "post_saves"):
-            pairs = [(i, u.plan.saves[u.plan.save_names[op_index]], mask)
-                     for i, u in enumerate(users) for op_index, mask in getattr(u.program, name)]
-            masks = [m for _, _, m in pairs]
-            mask_lengths = np.array([m.size for m in masks], dtype=np.int64)
-            mask_flat = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
-            mask_bases = np.concatenate([[0], np.cumsum(mask_lengths)[:-1]]).astype(np.int64)
+            # Every (user, save op) pair reads its program's mask, each distinct mask concatenated once.
+            mask_flat, mask_base = programs.masks(name)
+            pair_user, pair_lists, pair_base = [], [], []
+            for i, (u, k) in enumerate(zip(users, programs.of_user.tolist())):
+                for (op_index, _), base in zip(getattr(u.program, name), mask_base[k]):
+                    pair_user.append(i)
+                    pair_lists.append(u.plan.saves[u.plan.save_names[op_index]])
+                    pair_base.append(base)
             changed = np.zeros(mask_flat.size, dtype=bool)
             changed[1:] = mask_flat[1:] != mask_flat[:-1]
-            changed[mask_bases[mask_lengths > 0]] = True
-            self.stages[name] = (np.array([i for i, _, _ in pairs], dtype=np.int64), [lst for _, lst, _ in pairs],
-                                 mask_flat, mask_bases, _next_change(changed))
+            changed[[b for bases in mask_base for b in bases]] = True
+            self.stages[name] = (np.array(pair_user, dtype=np.int64), pair_lists, mask_flat,
+                                 np.array(pair_base, dtype=np.int64), _next_change(changed))
             self.hits_valid_until[name] = -1
         # The edit tensors this layout last made (runtime.last_edit's entry) and until which step count
         # its rows stay the same.
@@ -373,20 +418,9 @@ class _RowsLayout:
     concatenation (program `program_of_row[i]`)."""
 
     def __init__(self, users: list[TapUser], steps: int) -> None:
-        slot: dict[int, int] = {}
-        self.programs: list[TapProgram] = []
-        self.first_user: list[int] = []                  # per program: a user reading it
-        program_of_user = np.empty(len(users), dtype=np.int64)
-        for j, u in enumerate(users):
-            k = slot.get(id(u.program))
-            if k is None:
-                k = slot[id(u.program)] = len(self.programs)
-                self.programs.append(u.program)
-                self.first_user.append(j)
-            program_of_user[j] = k
-        lengths = np.array([p.params.shape[0] for p in self.programs], dtype=np.int64)
-        self.bases = np.cumsum(lengths) - lengths
-        self.program_of_user = program_of_user
+        self.distinct = _DistinctPrograms(users)
+        self.programs = self.distinct.programs
+        self.program_of_user = program_of_user = self.distinct.of_user
         counts = np.array([u.num_rows for u in users], dtype=np.int64)
         first = np.array([u.first_position for u in users], dtype=np.int64) + steps
         self.user_of_row = np.repeat(np.arange(len(users)), counts)
@@ -394,32 +428,22 @@ class _RowsLayout:
         self.rows = np.array([u.row_start for u in users], dtype=np.int64)[self.user_of_row] + offset
         self.positions = first[self.user_of_row] + offset
         self.program_of_row = program_of_user[self.user_of_row]
-        self.source = self.bases[self.program_of_row] + self.positions
+        self.source = self.distinct.bases[self.program_of_row] + self.positions
         self.users = users
 
     def fill_stage(self, stage: "_Stage", name: str) -> None:
         """Record in `stage` every (user, save op) pair's selected rows among this step's rows."""
-        # Each program's save masks, concatenated, and the (user, save) pairs reading them.
-        masks: list[np.ndarray] = []
-        ops_of_program: list[list[tuple[int, int]]] = []     # per program: (op index, its mask's base)
-        base = 0
-        for prog in self.programs:
-            entries = []
-            for op_index, mask in getattr(prog, name):
-                entries.append((op_index, base))
-                masks.append(mask)
-                base += mask.size
-            ops_of_program.append(entries)
-        if not masks:
+        mask_flat, mask_base = self.distinct.masks(name)
+        if not mask_flat.size:
             return
         pair_user: list[int] = []
         pair_op: list[int] = []
         pair_base: list[int] = []
         for j, k in enumerate(self.program_of_user.tolist()):
-            for op_index, op_base in ops_of_program[k]:
+            for (op_index, _), base in zip(getattr(self.programs[k], name), mask_base[k]):
                 pair_user.append(j)
                 pair_op.append(op_index)
-                pair_base.append(op_base)
+                pair_base.append(base)
         # Every pair's rows: the user's rows, read in the pair's mask.
         row_starts = np.searchsorted(self.user_of_row, np.arange(len(self.users)))
         counts = np.bincount(self.user_of_row, minlength=len(self.users))
@@ -429,7 +453,7 @@ class _RowsLayout:
         within = np.arange(pair_of.size) - np.repeat(np.cumsum(pair_counts) - pair_counts, pair_counts)
         row = row_starts[users][pair_of] + within                     # index into this layout's rows
         flat = np.array(pair_base, dtype=np.int64)[pair_of] + self.positions[row]
-        hit = np.flatnonzero(np.concatenate(masks)[flat])
+        hit = np.flatnonzero(mask_flat[flat])
         if not hit.size:
             return
         hit_pair = pair_of[hit]
@@ -494,9 +518,7 @@ class TargetTap:
         """A step with multi-row users (prefill, chunked prefill, mixed): this step's save stages and edit
         staging for every user's rows, read from the users' programs (each distinct one once, concatenated)
         with a few numpy gathers over all rows, not a slice per user."""
-        users = self.users
-        layout = _RowsLayout(users, self.steps)
-        programs = layout.programs
+        layout = _RowsLayout(self.users, self.steps)
         self.pre, self.post = _Stage(), _Stage()
         for stage, name in ((self.pre, "pre_saves"), (self.post, "post_saves")):
             layout.fill_stage(stage, name)
@@ -507,24 +529,12 @@ class TargetTap:
         params[:num_rows] = (1.0, 1.0, 0.0)
         value_index[:num_rows] = 0
         tables: list[torch.Tensor] = []
-        table_rows: dict[tuple[int, ...], int] = {}     # a program's forms -> their first row in the table
-        next_row = 1                                    # row 0: zeros, for rows without a value
-        table_start = np.zeros(len(programs), dtype=np.int64)
-        for k, prog in enumerate(programs):
-            if prog.edits and prog.value_ops:
-                key, forms = prog.forms.get(runtime.device) or program_forms(users[layout.first_user[k]].plan, prog,
-                                                                            runtime.device)
-                start = table_rows.get(key)
-                if start is None:
-                    start = table_rows[key] = next_row
-                    tables.extend(forms)
-                    next_row += sum(f.shape[0] for f in forms)
-                table_start[k] = start
-        edits = np.array([p.edits for p in programs], dtype=bool)[layout.program_of_row]
+        table_start = layout.distinct.table_starts(runtime.device, tables)
+        edits = np.array([p.edits for p in layout.programs], dtype=bool)[layout.program_of_row]
         rows, source = layout.rows[edits], layout.source[edits]
-        params[rows] = np.concatenate([p.params for p in programs])[source]
-        has_value = np.concatenate([p.has_value for p in programs])[source]
-        value_index[rows] = (np.concatenate([p.value_local for p in programs])[source]
+        params[rows] = layout.distinct.concatenate("params")[source]
+        has_value = layout.distinct.concatenate("has_value")[source]
+        value_index[rows] = (layout.distinct.concatenate("value_local")[source]
                              + table_start[layout.program_of_row[edits]] * has_value)
         self.table = self._value_table(runtime, tables)
 
