@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 import traceback as traceback_module
 from collections import Counter
+from itertools import chain
 from typing import Any, Iterable
 
 import numpy as np
@@ -31,6 +32,7 @@ OUTPUTS_KEY = FEATURE_OUTPUTS_KEY    # request.extras key the final RequestOutpu
 allow_step_ahead_for_extras_key(TRACE_KEY)
 # By id: an enum member's hash is computed in Python, an int's in C (enum members are singletons).
 _FINISHED_STATUS_IDS = frozenset(id(status) for status in RequestStatus if status.finished)
+_STATUS = operator.attrgetter("status")
 
 
 class TraceFailure(Exception):
@@ -156,13 +158,16 @@ class TracePlan:
 
 def finalize_plans(plans: list[TracePlan], position_limits: list[int] | None = None) -> list[dict[str, Any]]:
     """`finalize` for several plans at once (the requests that finish in one step): all their saves are
-    gathered together, with at most one copy per distinct recorded chunk, one reordering gather and one
-    stream sync per group, instead of slices, a concatenation and a sync per request and save. `position_limits[i]`: plan i keeps only positions below it (rows recorded by a step
-    launched ahead of the request's end, under async scheduling); None keeps all."""
+    gathered together, with one copy per distinct recorded chunk or SaveLog block and one stream sync per
+    group, instead of slices, a concatenation and a sync per request and save. `position_limits[i]`: plan
+    i keeps only positions below it (rows recorded by a step launched ahead of the request's end, under
+    async scheduling); None keeps all."""
     results: list[dict[str, Any]] = []
-    wanted: list[_Wanted] = []
+    groups: dict[tuple[Any, ...], list[_Wanted]] = {}
+    # The group of a save by its first recorded tensor (usually a chunk all the plans share): the tuple key
+    # of its shape, dtype and device is made once per tensor, not per save.
+    group_of_tensor: dict[tuple[int, bool], list[_Wanted]] = {}
     limits = position_limits if position_limits is not None else [None] * len(plans)
-    _expand_save_logs(plans)
     for plan, limit in zip(plans, limits):
         plan.finalized = True
         if plan.failed:
@@ -170,159 +175,253 @@ def finalize_plans(plans: list[TracePlan], position_limits: list[int] | None = N
             continue
         saves: dict[str, torch.Tensor] = {}
         positions: dict[str, list[int]] = {}
+        on_device = plan.keep_saves_on_device
         for index, name in plan.save_names.items():
             chunks = plan.saves[name]
-            if chunks and limit is not None:
-                chunks = _below(chunks, limit)
-            if chunks:
-                wanted.append(_Wanted(saves, positions, name, chunks, plan.keep_saves_on_device))
-            else:
-                site = plan.sites[index]
-                saves[name] = torch.empty((0, *site.shape), dtype=site.dtype)
-                positions[name] = []
+            first = _first_recorded(chunks)
+            if first is None:
+                _publish_empty(saves, positions, name, plan.sites[index])
+                continue
+            group = group_of_tensor.get((id(first[0]), on_device))
+            if group is None:
+                tensor, leading = first
+                key = (tuple(tensor.shape[leading:]), tensor.dtype, tensor.device, on_device)
+                group = group_of_tensor[(id(tensor), on_device)] = groups.setdefault(key, [])
+            group.append(_Wanted(saves, positions, name, chunks, on_device, limit, plan.sites[index]))
         plan.saves = {}
         results.append({"saves": saves, "save_positions": positions})
-    groups: dict[tuple[Any, ...], list[_Wanted]] = {}
-    for w in wanted:
-        first = w.chunks[1]
-        groups.setdefault((tuple(first.shape[1:]), first.dtype, first.device, w.on_device), []).append(w)
     for group in groups.values():
         _gather_group(group)
     return results
 
 
-def _expand_save_logs(plans: list[TracePlan]) -> None:
-    """Replace each reference to a SaveLog (save_log.py) in the plans' save lists by one ordinary record:
-    the pair's rows of every step logged, taken out of each log with one gather for all finishing pairs."""
-    refs: dict[int, tuple[SaveLog, list[tuple[list[Any], int, int]]]] = {}
-    for plan in plans:
-        if plan.failed:
-            continue
-        for chunks in plan.saves.values():
-            if not any(type(p) is SaveLog for p in chunks[0::3]):
-                continue
-            for k in range(0, len(chunks), 3):
-                log = chunks[k]
-                if type(log) is SaveLog:
-                    refs.setdefault(id(log), (log, []))[1].append((chunks, k, chunks[k + 2]))
-    for log, pairs in refs.values():
-        rows, positions = log.rows_of([pair for _, _, pair in pairs])
-        steps = log.num_steps
-        for j, (chunks, k, _) in enumerate(pairs):
-            chunks[k:k + 3] = (positions[j], rows, j * steps)
-
-
-def _below(chunks: list[Any], limit: int) -> list[Any]:
-    """The flat record list (positions, rows, start, ...) without positions >= limit."""
-    kept: list[Any] = []
+def _first_recorded(chunks: list[Any]) -> tuple[torch.Tensor, int] | None:
+    """The first tensor holding rows of a save's records and its number of leading (non per-row) dims: a
+    chunk ([rows, *shape], 1) or a SaveLog block ([steps, pairs, *shape], 2); None when no record holds a row."""
     for k in range(0, len(chunks), 3):
-        positions, rows, start = chunks[k:k + 3]
-        if type(positions) is int:
-            if positions < limit:
-                kept.extend((positions, rows, start))
-            continue
-        keep = positions < limit
-        if keep.all():
-            kept.extend((positions, rows, start))
-        elif keep.any():      # positions of a record ascend: keep a prefix of its rows
-            kept.extend((positions[:int(keep.sum())], rows, start))
-    return kept
+        rows = chunks[k + 1]
+        if rows is not None:
+            return rows, 1
+        blocks = chunks[k].blocks        # a SaveLog reference
+        if blocks:
+            return blocks[0], 2
+    return None
 
 
+def _publish_empty(saves: dict[str, torch.Tensor], positions: dict[str, list[int]], name: str,
+                   site: SiteInfo) -> None:
+    saves[name] = torch.empty((0, *site.shape), dtype=site.dtype)
+    positions[name] = []
 
 
 class _Wanted:
     """One save of one finishing request: its recorded chunks, and the dicts its result goes to."""
 
-    __slots__ = ("saves", "positions", "name", "chunks", "count", "on_device")
+    __slots__ = ("saves", "positions", "name", "chunks", "count", "on_device", "limit", "site")
 
     def __init__(self, saves: dict[str, torch.Tensor], positions: dict[str, list[int]], name: str,
-                 chunks: list[Any], on_device: bool = False) -> None:
+                 chunks: list[Any], on_device: bool, limit: int | None, site: SiteInfo) -> None:
         self.saves, self.positions, self.name, self.chunks = saves, positions, name, chunks
         self.on_device = on_device
-        self.count = 0          # rows of its assembled save
+        self.limit = limit          # keep only positions below it; None keeps all
+        self.site = site            # for an empty save
+        self.count = 0              # rows of its assembled save
+
+
+_CHUNKS = operator.attrgetter("chunks")
+_NO_LIMIT = np.iinfo(np.int64).max
+
+
+class _RecordedRows:
+    """Every row the records of a group hold, in recording order (save after save): its position, the
+    save it belongs to (index in the group), and where it lies: row `rows[i]` of the (virtual)
+    concatenation of `pieces`, the distinct recorded chunks and the blocks of the SaveLogs referenced."""
+
+    def __init__(self, group: list[_Wanted]) -> None:
+        flat = list(chain.from_iterable(w.chunks for w in group))     # positions, rows, start, positions, ...
+        positions_of: list[Any] = flat[0::3]
+        tensors: list[torch.Tensor | None] = flat[1::3]
+        starts_of: list[int | None] = flat[2::3]
+        records_per_want = np.fromiter(map(len, map(_CHUNKS, group)), dtype=np.int64, count=len(group)) // 3
+        # A record's positions: an int (one row: a decode step), an array (a run of rows of its chunk from
+        # `start`), or a SaveLog (its pair `start`'s row of every step logged so far; no chunk).
+        multi = [i for i, p in enumerate(positions_of) if type(p) is not int]
+        array_at: list[int] = []
+        logs: dict[int, tuple[SaveLog, list[int], list[int]]] = {}     # id -> the log, its records, pairs
+        for i in multi:
+            if tensors[i] is None:
+                log = positions_of[i]
+                entry = logs.get(id(log))
+                if entry is None:
+                    entry = logs[id(log)] = (log, [], [])
+                entry[1].append(i)
+                entry[2].append(starts_of[i])
+            else:
+                array_at.append(i)
+        steps_of = [log.num_steps for log, _, _ in logs.values()]
+        sizes = np.ones(len(tensors), dtype=np.int64)
+        if array_at:
+            sizes[array_at] = [positions_of[i].size for i in array_at]
+        for (_, records, _), steps in zip(logs.values(), steps_of):
+            sizes[records] = steps
+        record_starts = np.cumsum(sizes) - sizes
+        want_first_record = np.cumsum(records_per_want) - records_per_want
+        self.rows_per_want = np.add.reduceat(sizes, want_first_record)
+        self.want = np.repeat(np.arange(len(group)), self.rows_per_want)
+
+        # The pieces: the distinct chunks in order of first record, then each log's blocks.
+        ids = list(map(id, tensors))
+        chunk_of_id = dict(zip(ids, tensors))
+        chunk_of_id.pop(id(None), None)
+        self.pieces: list[torch.Tensor] = list(chunk_of_id.values())
+        piece_of_id = dict(zip(chunk_of_id, range(len(chunk_of_id))))
+        piece_of_id[id(None)] = 0           # a log record's (unused)
+        log_first_piece = []
+        for (log, _, _), steps in zip(logs.values(), steps_of):
+            log_first_piece.append(len(self.pieces))
+            self.pieces.extend(log.flat_blocks(steps))
+        piece_sizes = np.array([piece.shape[0] for piece in self.pieces], dtype=np.int64)
+        self.bases = np.cumsum(piece_sizes) - piece_sizes
+
+        total = int(record_starts[-1] + sizes[-1])
+        self.positions = np.empty(total, dtype=np.int64)
+        self.rows = np.empty(total, dtype=np.int64)
+        # Each chunk record's first row in the concatenation of the pieces.
+        first_row = self.bases[np.fromiter(map(piece_of_id.__getitem__, ids), dtype=np.int64, count=len(ids))]
+        first_row += np.array([0 if s is None else s for s in starts_of] if None in starts_of else starts_of,
+                              dtype=np.int64)
+        if not multi:
+            self.positions[:] = positions_of
+            self.rows[:] = first_row
+            return
+        if len(multi) < len(positions_of):
+            is_int = np.ones(len(positions_of), dtype=bool)
+            is_int[multi] = False
+            at = np.flatnonzero(is_int)
+            self.positions[record_starts[at]] = [positions_of[i] for i in at.tolist()]
+            self.rows[record_starts[at]] = first_row[at]
+        if array_at:
+            values = np.concatenate([positions_of[i] for i in array_at], axis=None)
+            array_sizes = sizes[array_at]
+            within = np.arange(values.size) - np.repeat(np.cumsum(array_sizes) - array_sizes, array_sizes)
+            at = np.repeat(record_starts[array_at], array_sizes) + within
+            self.positions[at] = values
+            self.rows[at] = np.repeat(first_row[array_at], array_sizes) + within
+        for (log, records, pairs), steps, first_piece in zip(logs.values(), steps_of, log_first_piece):
+            if steps:
+                pairs_np = np.array(pairs, dtype=np.int64)
+                at = record_starts[records][:, None] + np.arange(steps)
+                self.positions[at] = log.positions_of(pairs_np, steps)
+                self.rows[at] = log.row_index(pairs_np, steps) + self.bases[first_piece]
 
 
 def _gather_group(group: list[_Wanted]) -> None:
     """Assemble the saves of `group` (one per-token shape, dtype, device and on_device flag), vectorised
-    over every record of every save: on a GPU one gather, a copy to the host per save and one sync."""
-    # Every record (positions, chunk, first row) of the group, flattened.
-    positions_of: list[Any] = []
-    tensors: list[torch.Tensor] = []
-    starts_of: list[int | None] = []
-    records_per_want = np.empty(len(group), dtype=np.int64)
-    for k, w in enumerate(group):
-        flat = w.chunks            # positions, rows, start, positions, rows, start, ...
-        positions_of.extend(flat[0::3])
-        tensors.extend(flat[1::3])
-        starts_of.extend(flat[2::3])
-        records_per_want[k] = len(flat) // 3
-    num_records = len(tensors)
-    # A record holds one row (an int position: a decode step) or an array of positions.
-    multi = [i for i, p in enumerate(positions_of) if type(p) is not int]
-    sizes = np.ones(num_records, dtype=np.int64)
-    for i in multi:
-        sizes[i] = positions_of[i].size
-    record_starts = np.cumsum(sizes) - sizes
-    if multi:
-        positions = np.empty(int(sizes.sum()), dtype=np.int64)
-        single = np.ones(num_records, dtype=bool)
-        single[multi] = False
-        positions[record_starts[single]] = [p for p, one in zip(positions_of, single.tolist()) if one]
-        for i in multi:
-            positions[record_starts[i]:record_starts[i] + sizes[i]] = positions_of[i]
-    else:
-        positions = np.array(positions_of, dtype=np.int64)
-    _, first, chunk_of_record = np.unique(np.fromiter(map(id, tensors), dtype=np.int64, count=num_records),
-                                          return_index=True, return_inverse=True)
-    chunks = [tensors[i] for i in first.tolist()]
-    record_of_row = np.repeat(np.arange(num_records), sizes)
-    first_rows = np.fromiter((s or 0 for s in starts_of), dtype=np.int64, count=num_records)
-    local_row = first_rows[record_of_row] + np.arange(positions.size) - record_starts[record_of_row]
-    chunk_sizes = np.array([c.shape[0] for c in chunks], dtype=np.int64)
-    bases = np.cumsum(chunk_sizes) - chunk_sizes
-    row_in_all = bases[chunk_of_record[record_of_row]] + local_row    # in a virtual concatenation of the chunks
-    # Per save, each distinct position (sorted) from the row recorded last: a recompute after preemption
-    # replaces the earlier value, so no position is duplicated.
-    want_of_row = np.repeat(np.arange(len(group)), records_per_want)[record_of_row]
-    span = int(positions.max()) + 1
-    keys, first_in_reversed = np.unique((want_of_row * span + positions)[::-1], return_index=True)
-    wanted_rows = row_in_all[positions.size - 1 - first_in_reversed]
-    counts = np.bincount(keys // span, minlength=len(group))
-    for w, saved in zip(group, np.split(keys % span, np.cumsum(counts)[:-1])):
-        w.positions[w.name] = saved.tolist()
-        w.count = saved.size
-    # Copy only the rows someone wants: whole chunks, slices or one gather per chunk, then one reorder.
-    needed = sorted_unique(wanted_rows)
-    owner = np.searchsorted(bases, needed, side="right") - 1
-    device = chunks[0].device
-    pieces = []
-    for segment in np.split(np.arange(needed.size), np.flatnonzero(np.diff(owner)) + 1):
-        c = int(owner[segment[0]])
-        local = needed[segment] - bases[c]
-        if local.size == chunk_sizes[c]:
-            pieces.append(chunks[c])            # every row of the chunk, in order
-        elif local[-1] - local[0] + 1 == local.size:
-            pieces.append(chunks[c][int(local[0]):int(local[-1]) + 1])
-        else:
-            pieces.append(chunks[c].index_select(0, _index(local, device)))
-    gathered = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    order = np.searchsorted(needed, wanted_rows)
-    if order.size != needed.size or np.any(order != np.arange(order.size)):   # else no reordering gather
-        gathered = gathered.index_select(0, _index(order, device))
-    if device.type == "cuda" and not group[0].on_device:
-        _to_host_per_save(group, gathered)
-        return
-    fresh = gathered._base is None and not any(gathered is c for c in chunks)
+    over every row of every save: on a GPU one copy per piece recorded, a copy to the host per save and
+    one sync."""
+    recorded = _RecordedRows(group)
+    positions, rows, want = recorded.positions, recorded.rows, recorded.want
+    counts = recorded.rows_per_want
+    if positions.size:
+        top = int(positions.max())
+        limits = [w.limit for w in group if w.limit is not None]
+        if limits and min(limits) <= top:          # some row may lie at or beyond its save's limit
+            limit_of_want = np.array([_NO_LIMIT if w.limit is None else w.limit for w in group], dtype=np.int64)
+            keep = positions < limit_of_want[want]
+            if not keep.all():
+                positions, rows, want = positions[keep], rows[keep], want[keep]
+                counts = np.bincount(want, minlength=len(group))
+        # Per save, each distinct position (sorted) from the row recorded last: a recompute after
+        # preemption replaces the earlier value, so no position is duplicated. Usually every save's rows
+        # were recorded in ascending positions already.
+        span = top + 1
+        keys = want * span + positions
+        if not np.all(keys[1:] > keys[:-1]):
+            keys, first_in_reversed = np.unique(keys[::-1], return_index=True)
+            rows = rows[rows.size - 1 - first_in_reversed]
+            want, positions = keys // span, keys % span
+            counts = np.bincount(want, minlength=len(group))
+    saved_positions = positions.tolist()
+    live: list[_Wanted] = []
     offset = 0
-    for w in group:
-        rows = gathered[offset:offset + w.count]
-        offset += w.count
+    for w, count in zip(group, counts.tolist()):
+        if count:
+            w.positions[w.name] = saved_positions[offset:offset + count]
+            w.count = count
+            live.append(w)
+            offset += count
+        else:               # every row it recorded lies at or beyond its limit
+            _publish_empty(w.saves, w.positions, w.name, w.site)
+    if not live:
+        return
+    gathered, fresh = _take_rows(recorded.pieces, recorded.bases, rows)
+    if gathered.device.type == "cuda" and not live[0].on_device:
+        _to_host_per_save(live, gathered)
+        return
+    for w, saved in zip(live, torch.split(gathered, [w.count for w in live])):
         if w.on_device:
-            w.saves[w.name] = rows      # the plan asked for device tensors (keep_saves_on_device)
+            w.saves[w.name] = saved     # the plan asked for device tensors (keep_saves_on_device)
         else:
             # A save is a copy that shares memory with nothing else (no other save, no activation).
-            w.saves[w.name] = rows if fresh and len(group) == 1 else rows.clone()
+            w.saves[w.name] = saved if fresh and len(live) == 1 else saved.clone()
+
+
+def _take_rows(pieces: list[torch.Tensor], bases: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, bool]:
+    """Rows `rows` of the concatenation of `pieces` (whose first rows are at `bases`), in that order, and
+    whether the result is a fresh tensor (else it is a piece or a slice of one). Each piece is copied once
+    into its rows of the result: whole, as a slice, or by one gather."""
+    owner = np.searchsorted(bases, rows, side="right") - 1
+    device = pieces[0].device
+    if len(pieces) == 1 or not np.any(owner != owner[0]):
+        c = int(owner[0])
+        local = rows - bases[c]
+        first = _run_start(local)
+        if first is None:
+            return pieces[c].index_select(0, _index(local, device)), True
+        if first == 0 and local.size == pieces[c].shape[0]:
+            return pieces[c], False
+        return pieces[c][first:first + local.size], False
+    # Per piece: the rows of the result it fills (`at`, ascending) and the rows of its own they take.
+    order = np.argsort(owner, kind="stable")
+    ends = np.cumsum(np.bincount(owner, minlength=len(pieces))).tolist()
+    copies: list[tuple[torch.Tensor, bool, int | None]] = []     # source, gathered?, result run start
+    indices: list[np.ndarray] = []          # the index arrays, moved to the device in one copy
+    begin = 0
+    for c, end in enumerate(ends):
+        if end == begin:
+            continue
+        at = order[begin:end]
+        begin = end
+        local = rows[at] - bases[c]
+        source = pieces[c]
+        first = _run_start(local)
+        if first is None:
+            indices.append(local)
+        elif first != 0 or local.size != source.shape[0]:
+            source = source[first:first + local.size]
+        run = int(at[0]) if int(at[-1]) - int(at[0]) + 1 == at.size else None
+        if run is None:
+            indices.append(at)
+        copies.append((source, first is None, run))
+    device_indices = iter(torch.split(_index(np.concatenate(indices), device), [i.size for i in indices])
+                          if indices else ())
+    result = torch.empty((rows.size, *pieces[0].shape[1:]), dtype=pieces[0].dtype, device=device)
+    for source, gathered, run in copies:
+        if gathered:
+            source = source.index_select(0, next(device_indices))
+        if run is None:
+            result.index_copy_(0, next(device_indices), source)
+        else:
+            result[run:run + source.shape[0]].copy_(source)
+    return result, True
+
+
+def _run_start(local: np.ndarray) -> int | None:
+    """local[0] when `local` is consecutive ascending rows, else None."""
+    first = int(local[0])
+    if int(local[-1]) - first + 1 != local.size:
+        return None
+    return first if local.size < 3 or bool(np.all(np.diff(local) == 1)) else None
 
 
 def sorted_unique(values: np.ndarray) -> np.ndarray:
@@ -405,7 +504,7 @@ def finish_traced_requests(requests: Iterable[Any]) -> None:
     requests = requests if isinstance(requests, list) else list(requests)
     # This runs over every request that progressed, every step, and usually none has finished: that test
     # runs in C (a Python loop over a large batch costs ~20 us a step).
-    if not any(map(_FINISHED_STATUS_IDS.__contains__, map(id, map(operator.attrgetter("status"), requests)))):
+    if _FINISHED_STATUS_IDS.isdisjoint(map(id, map(_STATUS, requests))):
         return
     finishing = []
     for request in requests:

@@ -5,8 +5,8 @@ While a decode batch stays the same (taps.py's _DecodeLayout), each of its save 
 or of every generated token). A `SaveLog` keeps those rows as [steps, pairs, *shape] blocks: a step writes
 its rows with the one gather it needs anyway (into the next step slot, no fresh tensor), and each pair's
 save list holds a single reference to the log instead of one record per step. When requests finish, their
-rows come out of the log with one gather for all of them (`rows_of`), already in position order, so
-assembling the saves does not walk a record per step and request.
+rows are copied straight out of the log's blocks (`flat_blocks`, `row_index`) by the same copies that
+assemble their other saves (plan.py), so assembling the saves does not walk a record per step and request.
 """
 from __future__ import annotations
 
@@ -40,16 +40,25 @@ class SaveLog:
         torch.index_select(source, 0, index, out=self.blocks[block][slot])
         self.positions.append(positions)
 
+    def flat_blocks(self, steps: int) -> list[torch.Tensor]:
+        """The blocks holding the first `steps` steps, each viewed as [STEPS_PER_BLOCK * num_pairs, *shape]:
+        row `row_index(...)` of their concatenation is a pair's row of a step."""
+        return [block.flatten(0, 1) for block in self.blocks[:-(-steps // STEPS_PER_BLOCK)]]
+
+    def row_index(self, pairs: np.ndarray, steps: int) -> np.ndarray:
+        """[len(pairs), steps]: where each pair's row of each step lies in the concatenation of `flat_blocks`."""
+        return np.arange(steps, dtype=np.int64) * self.num_pairs + pairs[:, None]
+
+    def positions_of(self, pairs: np.ndarray, steps: int) -> np.ndarray:
+        """[len(pairs), steps]: each pair's position at each of the first `steps` steps."""
+        return np.array(self.positions[:steps]).T[pairs]
+
     def rows_of(self, pairs: list[int]) -> tuple[torch.Tensor, np.ndarray]:
         """Every step's rows of `pairs`: a fresh [len(pairs) * steps, *shape] tensor (pair after pair, steps
-        in order) and the matching [len(pairs), steps] positions."""
+        in order) and the matching [len(pairs), steps] positions. (Finishing requests' saves are gathered
+        straight from `flat_blocks` instead, together with their other records: plan.py.)"""
         steps = self.num_steps
-        written = torch.cat(self.blocks) if len(self.blocks) > 1 else self.blocks[0]
-        written = written[:steps]
-        if pairs != list(range(self.num_pairs)):
-            written = written.index_select(1, torch.as_tensor(pairs, dtype=torch.long).to(written.device))
-        # A copy in (pair, step) order: each pair's rows become one contiguous run.
-        rows = torch.empty((len(pairs), steps, *written.shape[2:]), dtype=written.dtype, device=written.device)
-        rows.copy_(written.transpose(0, 1))
-        positions = np.stack(self.positions, axis=1)[pairs]
-        return rows.reshape(len(pairs) * steps, *written.shape[2:]), positions
+        pairs_np = np.asarray(pairs, dtype=np.int64)
+        written = torch.cat(self.flat_blocks(steps))
+        index = torch.from_numpy(self.row_index(pairs_np, steps).ravel()).to(written.device)
+        return written.index_select(0, index), self.positions_of(pairs_np, steps)
