@@ -7,12 +7,14 @@ request adding a steering vector at one layer, measured in the same run.
 The prefix cache is off unless --enable-prefix-caching: the repeats resend the same prompts, and only
 untraced requests read the cache (a traced request computes every prompt position itself).
 Prints output tokens/s (median of --repeats; the three workloads are interleaved within each repeat)
-and the ratio to untraced. Without --model it uses the embedded default model (random weights).
+and the ratio to untraced: the median over repeats of each repeat's ratio, with every repeat's ratio.
+One full pass of each workload runs first (kernel compilation, graph captures with the taps).
+Without --model it uses the embedded default model (random weights).
 On a GPU, decode steps whose ops are all taps (save, add, ... ; pellucid/tracing/taps.py) replay CUDA
 graphs captured with those taps, like untraced steps; the last line says how many replays had taps.
 
 --breakdown adds, per workload, the wall time of each engine phase summed over one generate (median over
-the repeats, and the worst repeat: the first one captures the tap graph variants), the engine steps by
+the repeats, and the worst repeat), the engine steps by
 kind (prefill / decode replay / decode tap replay / decode eager) and the time in Python's GC.
 --profile-steps N profiles N steady decode steps of each workload with torch.profiler (CPU and CUDA):
 GPU kernel time and count per step, and the CPU ops and CUDA API calls that cost the most host time.
@@ -275,18 +277,20 @@ def main() -> None:
     clock = PhaseClock() if args.breakdown else None
     if clock is not None:
         clock.install(llm)
-    for make in workloads.values():   # warm-up (and the site probe)
-        timed(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), make)
-    # One full untraced pass compiles every kernel variant the workload's prefill shapes need (Triton
-    # compiles on first use; on a fresh machine that takes seconds and would land in a measured repeat).
-    timed(llm, prompts, params, workloads["untraced"])
+    # Warm-up: one full pass of each workload compiles every kernel variant its prefill shapes need (Triton
+    # compiles on first use: seconds on a fresh machine) and captures the decode graphs with its taps, so no
+    # measured repeat pays for either.
+    for make in workloads.values():
+        timed(llm, prompts, params, make)
     results: dict[str, list[float]] = {name: [] for name in workloads}
     for _ in range(args.repeats):
         for name, make in workloads.items():
             with clock.measure(name) if clock is not None else contextlib.nullcontext():
                 results[name].append(timed(llm, prompts, params, make))
     medians = {name: statistics.median(values) for name, values in results.items()}
-    base = medians["untraced"]
+    # The ratio to untraced is taken within each repeat (the workloads run back to back there), then the
+    # median over repeats: the device machine's speed drifts by 10-20% between runs, far less within one.
+    ratios = {name: [v / u for v, u in zip(values, results["untraced"])] for name, values in results.items()}
     device = torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else \
         f"CPU, {torch.get_num_threads()} threads"
     print(f"\nworkload: {args.num_prompts} prompts of 32-128 tokens, {args.output_len} output tokens each, greedy; "
@@ -294,9 +298,10 @@ def main() -> None:
           f"{'; enforce_eager' if args.enforce_eager else ''}"
           f"; prefix caching {'on' if args.enable_prefix_caching else 'off'}"
           f"; async scheduling {'on' if llm.engine.async_scheduling else 'off'}")
-    print(f"{'workload':<40}{'output tok/s':>14}{'vs untraced':>13}")
+    print(f"{'workload':<40}{'output tok/s':>14}{'vs untraced':>13}   per repeat")
     for name, value in medians.items():
-        print(f"{name:<40}{value:>14.1f}{value / base:>13.2f}")
+        per_repeat = " ".join(f"{r:.2f}" for r in ratios[name])
+        print(f"{name:<40}{value:>14.1f}{statistics.median(ratios[name]):>13.2f}   {per_repeat}")
     graphs = llm.engine.runner.cuda_graphs
     if graphs is not None:
         print(f"CUDA graph replays: {graphs.num_replays}, of which with tracing taps: {graphs.num_tap_replays}")
