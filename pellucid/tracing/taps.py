@@ -149,22 +149,14 @@ class _SaveRecord:
 
 
 class _Stage:
-    """The rows one save stage (before / after the edit) copies this step, and who they belong to."""
+    """The rows one save stage (before / after the edit) copies this step, and who they belong to (filled by
+    _RowsLayout.fill_stage)."""
 
     def __init__(self) -> None:
         self.rows: list[int] = []
         self.records: list[_SaveRecord] = []
         self.count = 0
         self.index: torch.Tensor | None = None
-
-    def add(self, plan: TracePlan, op_index: int, rows: np.ndarray | int, positions: np.ndarray | int) -> None:
-        self.records.append(_SaveRecord(plan, op_index, positions, self.count))
-        if isinstance(rows, int):
-            self.rows.append(rows)
-            self.count += 1
-        else:
-            self.rows.extend(rows.tolist())
-            self.count += rows.size
 
     def finish_host(self, runtime: TapRuntime, target: Target, name: str) -> None:
         if self.count:
