@@ -52,13 +52,3 @@ class SaveLog:
     def positions_of(self, pairs: np.ndarray, steps: int) -> np.ndarray:
         """[len(pairs), steps]: each pair's position at each of the first `steps` steps."""
         return np.array(self.positions[:steps]).T[pairs]
-
-    def rows_of(self, pairs: list[int]) -> tuple[torch.Tensor, np.ndarray]:
-        """Every step's rows of `pairs`: a fresh [len(pairs) * steps, *shape] tensor (pair after pair, steps
-        in order) and the matching [len(pairs), steps] positions. (Finishing requests' saves are gathered
-        straight from `flat_blocks` instead, together with their other records: plan.py.)"""
-        steps = self.num_steps
-        pairs_np = np.asarray(pairs, dtype=np.int64)
-        written = torch.cat(self.flat_blocks(steps))
-        index = torch.from_numpy(self.row_index(pairs_np, steps).ravel()).to(written.device)
-        return written.index_select(0, index), self.positions_of(pairs_np, steps)

@@ -416,7 +416,9 @@ class _RowsLayout:
         counts = np.array([u.num_rows for u in users], dtype=np.int64)
         first = np.array([u.first_position for u in users], dtype=np.int64) + steps
         self.user_of_row = np.repeat(np.arange(len(users)), counts)
-        offset = np.arange(self.user_of_row.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.rows_per_user = counts
+        self.first_row_of_user = np.cumsum(counts) - counts       # in this layout's rows
+        offset = np.arange(self.user_of_row.size) - np.repeat(self.first_row_of_user, counts)
         self.rows = np.array([u.row_start for u in users], dtype=np.int64)[self.user_of_row] + offset
         self.positions = first[self.user_of_row] + offset
         self.program_of_row = program_of_user[self.user_of_row]
@@ -437,13 +439,11 @@ class _RowsLayout:
                 pair_op.append(op_index)
                 pair_base.append(base)
         # Every pair's rows: the user's rows, read in the pair's mask.
-        row_starts = np.searchsorted(self.user_of_row, np.arange(len(self.users)))
-        counts = np.bincount(self.user_of_row, minlength=len(self.users))
         users = np.array(pair_user, dtype=np.int64)
-        pair_counts = counts[users]
+        pair_counts = self.rows_per_user[users]
         pair_of = np.repeat(np.arange(users.size), pair_counts)
         within = np.arange(pair_of.size) - np.repeat(np.cumsum(pair_counts) - pair_counts, pair_counts)
-        row = row_starts[users][pair_of] + within                     # index into this layout's rows
+        row = self.first_row_of_user[users][pair_of] + within         # index into this layout's rows
         flat = np.array(pair_base, dtype=np.int64)[pair_of] + self.positions[row]
         hit = np.flatnonzero(mask_flat[flat])
         if not hit.size:

@@ -24,7 +24,9 @@ def _plan() -> TracePlan:
     return plan
 
 
-def test_rows_of_matches_the_rows_written() -> None:
+def test_log_blocks_hold_the_rows_written() -> None:
+    """flat_blocks / row_index / positions_of (how plan.py reads a log) give back each pair's rows and
+    positions of every step, across block boundaries, for any subset of pairs in any order."""
     gen = torch.Generator().manual_seed(0)
     num_pairs, steps = 6, 2 * STEPS_PER_BLOCK + 3          # crosses block boundaries
     log = SaveLog(num_pairs)
@@ -35,7 +37,10 @@ def test_rows_of_matches_the_rows_written() -> None:
         log.write(source, index, np.arange(num_pairs, dtype=np.int64) * 100 + step)
         written.append(source[index])
     for pairs in ([0, 1, 2, 3, 4, 5], [4, 1], [3]):
-        rows, positions = log.rows_of(pairs)
+        pairs_np = np.array(pairs, dtype=np.int64)
+        index = torch.from_numpy(log.row_index(pairs_np, steps).ravel())
+        rows = torch.cat(log.flat_blocks(steps)).index_select(0, index)
+        positions = log.positions_of(pairs_np, steps)
         expected = torch.stack([torch.stack([w[p] for w in written]) for p in pairs])
         torch.testing.assert_close(rows, expected.reshape(-1, HIDDEN), rtol=0, atol=0)
         assert positions.tolist() == [[p * 100 + s for s in range(steps)] for p in pairs]
