@@ -29,7 +29,13 @@ class LMHead(ABC):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Exact full-vocabulary logits, float32, for hidden [R, hidden]."""
-        return torch.nn.functional.linear(hidden, self.weight).float()
+        return self.model_dtype_logits(hidden).float()
+
+    def model_dtype_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits before the float32 cast: the same values in the model's dtype (the sampler casts
+        only where it computes on them; greedy argmax does not need to)."""
+        from pellucid.models.layers import linear    # decode-sized rows take the skinny GEMM on CUDA
+        return linear(hidden, self.weight, None)
 
     @abstractmethod
     def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:

@@ -13,7 +13,7 @@ class DenseHead(LMHead):
     name = "dense"
 
     def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
-        return sampler(self.compute_logits(hidden), sampling)
+        return sampler(self.model_dtype_logits(hidden), sampling)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "vocab_size": self.vocab_size, "hidden_size": self.weight.shape[1]}

@@ -120,12 +120,36 @@ MAX_ROWS = 2
 # pair (silu_and_mul + the better GEMM): M = 1 with 8-row tiles 7.1 vs 7.7 us (K = 3072), 18.1 vs 18.6
 # (K = 8192), 43.9 vs 43.5 (K = 14336); M = 2 with 4-row tiles 8.0 vs 8.3 (K = 3072), 21.2 vs 18.6 (K = 8192).
 SILU_MUL_MAX_K = {1: 8192, 2: 4096}
+# Whole-K tiles at M = 1: each program loads its entire [BLOCK_N, K] weight slice (64 weights per
+# thread) before the PDL wait, so no weight load is left behind it and, with every program resident,
+# the whole matrix streams in while the kernel before it finishes. Measured on an H100 (2026-11-23,
+# benchmarks/skinny_chain_bench.py, bf16, layers in a CUDA graph): Qwen3-0.6B 21.40 -> 17.48 us/layer,
+# Llama-3.2-1B 64.6 -> 58.7 with K <= 3072 and 58.3 -> 52.0 more with its K = 8192 fused SiLU down
+# projection; engine batch-1 decode of Qwen3-0.6B 0.989 -> 0.888 ms/step. Llama-3.1-8B (K = 4096, N up
+# to 28672: many waves of programs) got slower with them, 6.04 -> 6.20 ms/step, so larger K keep the
+# pipelined K loop. PELLUCID_SKINNY_PRELOAD=0 turns whole-K tiles off (to measure them).
+PRELOAD_MAX_K = 3072
+PRELOAD_SILU_MAX_K = 8192          # the fused SiLU down projection, when its N is at most:
+PRELOAD_SILU_MAX_N = 2048
+PRELOAD_ELEMENTS_PER_THREAD = 64
+
+
+def _preloads(m: int, n: int, k: int, silu_mul: bool) -> bool:
+    if m != 1 or os.environ.get("PELLUCID_SKINNY_PRELOAD", "1") == "0":
+        return False
+    return k <= PRELOAD_MAX_K or (silu_mul and k <= PRELOAD_SILU_MAX_K and n <= PRELOAD_SILU_MAX_N)
 
 
 def pick_config(m: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig | None:
     """The tile for an [m, k] x [n, k]^T product, or None when cuBLAS (and the unfused activation) should run it."""
     if m < 1 or m > MAX_ROWS or (m == 2 and n > k) or (silu_mul and k > SILU_MUL_MAX_K[m]):
         return None
+    if _preloads(m, n, k, silu_mul):
+        block_k = triton.next_power_of_2(k)
+        block_n = 8 if k <= 1024 else 4 if k <= 4096 else 2
+        return SkinnyConfig(block_m=1, block_n=block_n, block_k=block_k,
+                            num_warps=max(1, block_n * block_k // (PRELOAD_ELEMENTS_PER_THREAD * 32)),
+                            num_stages=1, use_dot=False)
     block_k = min(1024, triton.next_power_of_2(k))
     if m == 1 or n <= 2048:
         # CUDA cores, 4 (or 8) weight rows per program: 256+ programs at N = 1024, each streaming 8 KB per step.

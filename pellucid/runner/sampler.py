@@ -127,7 +127,11 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Lo
 
 
 class Sampler:
-    """`sampler(logits [R, V] float32, metadata) -> SamplerOutput`; no device-to-host syncs inside."""
+    """`sampler(logits [R, V], metadata) -> SamplerOutput`; no device-to-host syncs inside.
+
+    Logits come float32 or in the model's dtype: plain greedy takes their argmax as they are (the same
+    first maximum as on a float32 copy); everything else computes on a float32 copy.
+    """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:

@@ -102,6 +102,26 @@ def run_all(device: str) -> None:
         run_part(device, part)
 
 
+def test_picked_tiles_are_launchable():
+    """Every tile pick_config returns has power-of-two blocks and warps (Triton refuses others), and a
+    whole-K tile at M = 1 covers K, so none of its weight loads waits behind the PDL wait."""
+    from pellucid.kernels import skinny_gemm
+    g = torch.Generator().manual_seed(0)
+    shapes = [(n, k) for n, k in MODEL_SHAPES] + [tuple(int(v) for v in torch.randint(1, 20000, (2,), generator=g))
+                                                   for _ in range(200)]
+    power_of_two = lambda v: v >= 1 and v & (v - 1) == 0    # noqa: E731
+    for n, k in shapes:
+        for m in (1, 2):
+            for silu in (False, True):
+                config = skinny_gemm.pick_config(m, n, k, silu)
+                if config is None:
+                    continue
+                assert all(map(power_of_two, (config.block_m, config.block_n, config.block_k, config.num_warps))), \
+                    (m, n, k, silu, config)
+                if skinny_gemm._preloads(m, n, k, silu):
+                    assert config.block_k >= k and config.num_warps <= 32, (m, n, k, silu, config)
+
+
 @pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="a CUDA machine runs the compiled kernel (test_skinny_gemm_on_gpu); this check is for "

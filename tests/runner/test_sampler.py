@@ -383,3 +383,29 @@ def test_no_host_sync_on_cuda() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert output.sampled_token_ids.shape == (len(requests),)
     assert output.sampled_token_ids[0].item() == logits[0].argmax().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_dense_head_samples_model_dtype_logits_like_float32_ones(device, seed):
+    """The dense head hands the sampler bf16 logits; greedy picks, logprobs and seeded draws equal those
+    of the float32 logits that compute_logits returns (the brute-force route: float32 all the way)."""
+    from pellucid.heads.dense import DenseHead
+    rng = torch.Generator().manual_seed(seed)
+    hidden_size = 64
+    # Few distinct bf16 weights: many rows hold their maximum logit twice, so ties must break alike.
+    weight = (torch.randint(-3, 4, (VOCAB, hidden_size), generator=rng) / 4).to(torch.bfloat16).to(device)
+    hidden = torch.randn(6, hidden_size, generator=rng).to(torch.bfloat16).to(device)
+    head = DenseHead(weight, {})
+    exact = head.compute_logits(hidden)
+    assert exact.dtype == torch.float32
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=3),
+                   SamplingParams(temperature=0.8, top_k=20, seed=seed)):
+        # Separate requests for the two routes: a seeded request's generator advances as it samples.
+        requests, twins = ([make_request(f"r{i}", params, rng) for i in range(hidden.shape[0])] for _ in range(2))
+        got = head.sample(hidden, build_sampling_metadata(requests, device), sampler)
+        want = sampler(exact, build_sampling_metadata(twins, device))
+        assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+        if params.logprobs is not None:
+            assert torch.equal(got.logprobs.logprobs, want.logprobs.logprobs)
+            assert torch.equal(got.logprobs.token_ids, want.logprobs.token_ids)
