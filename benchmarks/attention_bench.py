@@ -143,7 +143,7 @@ def tune(l2_bytes: int) -> list[str]:
             for warps in (4, 8):
                 for min_tokens in (128, 256, 512):
                     backend.decode_block_n_small_batch = backend.decode_block_n_large_batch = block_n
-                    backend.decode_num_warps = warps
+                    backend.decode_num_warps = backend.decode_num_warps_small_batch = warps
                     backend.decode_min_tokens_per_split = min_tokens
                     ms, _, _, splits = bench_decode(batch, context, backend, l2_bytes, with_sdpa=False)
                     results.append((ms, block_n, warps, min_tokens, splits))

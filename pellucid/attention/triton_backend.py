@@ -27,6 +27,7 @@ class TritonAttentionMetadata:
     decode_only: bool
     num_splits: int                       # decode path only; 1 = no reduce kernel
     decode_block_n: int                   # KV tokens per decode loop step
+    decode_num_warps: int
     num_covered_rows: int                 # query rows owned by requests (host copy of query_start_loc[-1])
     partial_out: torch.Tensor | None      # [num_reqs, heads, num_splits, head_dim] float32 split workspace
     partial_lse: torch.Tensor | None      # [num_reqs, heads, num_splits] float32
@@ -42,6 +43,9 @@ class TritonAttentionBackend(AttentionBackend):
     # when there are fewer (request, kv_head) pairs than SMs (latency-bound), narrower ones otherwise.
     decode_block_n_small_batch: int = 128
     decode_block_n_large_batch: int = 64
+    # Under PDL a small batch's split program waits with its first KV tile loaded; 8 warps finish the
+    # post-wait work sooner: Qwen3-0.6B batch 1 0.840-0.847 -> 0.832-0.833 ms/step (engine, H100).
+    decode_num_warps_small_batch: int = 8
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     decode_max_splits: int = 32
@@ -81,7 +85,8 @@ class TritonAttentionBackend(AttentionBackend):
                                       device=device)
         small_batch = common.num_reqs * self.num_kv_heads < self.num_sms
         block_n = self.decode_block_n_small_batch if small_batch else self.decode_block_n_large_batch
-        return TritonAttentionMetadata(common, decode_only, num_splits, block_n, num_covered_rows,
+        num_warps = self.decode_num_warps_small_batch if small_batch else self.decode_num_warps
+        return TritonAttentionMetadata(common, decode_only, num_splits, block_n, num_warps, num_covered_rows,
                                        partial_out, partial_lse)
 
     def _decode_num_splits(self, common: CommonAttentionMetadata) -> int:
@@ -120,7 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.decode_only:
             decode_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
                              out, scale, metadata.num_splits, metadata.partial_out, metadata.partial_lse,
-                             block_n=metadata.decode_block_n, num_warps=self.decode_num_warps,
+                             block_n=metadata.decode_block_n, num_warps=metadata.decode_num_warps,
                              num_stages=self.decode_num_stages)
         else:
             unified_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
