@@ -2,7 +2,7 @@
 
     python3 benchmarks/skinny_gemm_bench.py [--sweep] [--models Qwen3-0.6B,Llama-3.2-1B,Llama-3.1-8B]
 
-For each projection shape of the named models and M in 1, 2, 4, 8, 16: torch (cuBLAS) us per call, the
+For each projection shape of the named models, and their LM head, and M in 1, 2, 4, 8, 16: torch (cuBLAS) us per call, the
 skinny kernel with its chosen tile (`pick_config`), and with --sweep the best of a grid of tiles; the floor
 is the weight bytes over the device-to-device copy bandwidth measured in the same run. Then the down
 projection with silu(gate) * up: unfused (silu_and_mul kernel + cuBLAS, and + skinny GEMM) against the
@@ -28,13 +28,15 @@ MODEL_DIMS = {
     "Llama-3.2-1B": (2048, 32 * 64, 8 * 64, 8192),
     "Llama-3.1-8B": (4096, 32 * 128, 8 * 128, 14336),
 }
+VOCAB = {"Qwen3-0.6B": 151936, "Llama-3.2-1B": 128256, "Llama-3.1-8B": 128256}    # the LM head's rows
 ROWS = (1, 2, 4, 8, 16)
 ROTATE_BYTES = 256 * 2**20      # weight copies per graph: more than 5x the H100's 50 MB L2
 
 
 def projection_shapes(model: str) -> list[tuple[str, int, int]]:
     hidden, q, kv, inter = MODEL_DIMS[model]
-    return [("qkv", q + 2 * kv, hidden), ("o", hidden, q), ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+    return [("qkv", q + 2 * kv, hidden), ("o", hidden, q), ("gate_up", 2 * inter, hidden), ("down", hidden, inter),
+            ("head", VOCAB[model], hidden)]
 
 
 def sweep_configs(m: int) -> list[SkinnyConfig]:
