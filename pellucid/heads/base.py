@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pellucid.models.layers import linear
 from pellucid.runner.sampling_metadata import SamplerOutput, SamplingMetadata
 
 
@@ -34,8 +35,7 @@ class LMHead(ABC):
     def model_dtype_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits before the float32 cast: the same values in the model's dtype (the sampler casts
         only where it computes on them; greedy argmax does not need to)."""
-        from pellucid.models.layers import linear    # decode-sized rows take the skinny GEMM on CUDA
-        return linear(hidden, self.weight, None)
+        return linear(hidden, self.weight, None)    # decode-sized rows take the skinny GEMM on CUDA
 
     @abstractmethod
     def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
