@@ -25,14 +25,21 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = scale
 
-    def fused_kv_store(self, value: torch.Tensor) -> FusedKVStore | None:
-        """A FusedKVStore for this layer's new values [T, kv_heads(*head_dim)] when the backend's KV write
-        is the plain store a rotary kernel can do instead (fused_kv_store.py); else None."""
+    def plain_kv_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this layer's KV cache, the step's slot mapping) when the backend's KV write is the plain store
+        another kernel can do instead (fused_kv_store.py); else None."""
         ctx = get_forward_context()
         if not ctx.backend.kv_write_is_plain_store:
             return None
-        value = value.view(value.shape[0], self.num_kv_heads, self.head_dim)
-        return FusedKVStore(value, ctx.kv_caches[self.layer_idx], ctx.attn_metadata.slot_mapping)
+        return ctx.kv_caches[self.layer_idx], ctx.attn_metadata.slot_mapping
+
+    def fused_kv_store(self, value: torch.Tensor) -> FusedKVStore | None:
+        """A FusedKVStore for this layer's new values [T, kv_heads(*head_dim)] when the backend's KV write
+        is the plain store a rotary kernel can do instead; else None."""
+        target = self.plain_kv_target()
+        if target is None:
+            return None
+        return FusedKVStore(value.view(value.shape[0], self.num_kv_heads, self.head_dim), *target)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_store: FusedKVStore | None = None) -> torch.Tensor:

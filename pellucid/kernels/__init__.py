@@ -24,7 +24,7 @@ def _triton_available() -> bool:
 
 
 KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down",
-           "rotary_kv_store")
+           "rotary_kv_store", "skinny_qkv_rotary", "skinny_gate_up_silu", "argmax")
 # Each measured on an H100 (2026-11-23), Qwen3-0.6B shape, bf16, GPU time of one CUDA-graph decode
 # forward at batch 1 / 64 / 256 (pellucid bench latency, "graph forward ms"): none fused 3.98 / 4.90 ms;
 # rms_norm alone 2.52 / 3.15; rotary alone 3.18 / 4.04; silu_and_mul alone 3.94 / 4.85; all three
@@ -37,6 +37,9 @@ KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary
 # both on 1.094 / 1.311 ms (793 tok/s at batch 1) against both off 1.233 / 1.303 ms (715 tok/s).
 # rotary_kv_store: the rotary (or q/k norm + rotary) kernel stores K/V in the cache, no KV-write launch
 # (pellucid.attention.fused_kv_store); measured in BENCHMARKS.md, round 5.
+# skinny_qkv_rotary / skinny_gate_up_silu: rotary (+ the K/V store) and SiLU-and-mul as epilogues of the
+# q/k/v and gate/up skinny GEMMs (pellucid.kernels.skinny_paired); argmax: greedy sampling's argmax as one
+# multi-program kernel (pellucid.kernels.argmax). Measured in BENCHMARKS.md, issue 4 round 7.
 DEFAULT_KERNELS = KERNELS
 
 

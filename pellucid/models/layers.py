@@ -117,12 +117,16 @@ class MergedLinear:
     def _current_pointers(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
 
-    def merged_output(self, x: torch.Tensor) -> torch.Tensor:
-        """One GEMM's [T, sum(out_features)] result: the linears' outputs side by side."""
+    def merged_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of the merged storage, after checking the linears still view it."""
         if self._current_pointers() != self._pointers:
             raise RuntimeError("a merged projection's parameters were replaced after merging (their storage moved); "
                                "call merge() on it after reassigning weights")
-        return linear(x, self.weight, self.bias)
+        return self.weight, self.bias
+
+    def merged_output(self, x: torch.Tensor) -> torch.Tensor:
+        """One GEMM's [T, sum(out_features)] result: the linears' outputs side by side."""
+        return linear(x, *self.merged_parameters())
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The linears' outputs, as column views of one GEMM's [T, sum(out_features)] result."""
@@ -201,6 +205,11 @@ class GatedMLP(nn.Module):
                 and _skinny_gemm_applies(x, self.down_proj.weight, "skinny_silu_down", self.down_proj.in_features, True)):
             from pellucid.kernels.skinny_gemm import silu_mul_linear
             return silu_mul_linear(self.gate_up.merged_output(x), self.down_proj.weight, self.down_proj.bias)
+        # Otherwise silu(gate) * up can be the epilogue of the gate/up GEMM (skipping `act_fn` only).
+        if (merged and not is_observed(self.act_fn)
+                and _skinny_gemm_applies(x, self.gate_up.weight, "skinny_gate_up_silu", x.shape[-1])):
+            from pellucid.kernels.skinny_paired import gate_up_silu_linear
+            return self.down_proj(gate_up_silu_linear(x, *self.gate_up.merged_parameters()))
         if merged:
             gate, up = self.gate_up(x)
         else:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pellucid.attention.fused_kv_store import FusedKVStore
 from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
 from pellucid.kernels import fused_kernels_enabled
@@ -72,6 +73,9 @@ class DecoderAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
+        positions = get_forward_context().positions[:num_tokens]
+        if self._rotary_in_projection(hidden_states):
+            return self.o_proj(self.attn(*self._projection_with_rotary(hidden_states, positions)))
         if merged_projections_enabled() and not is_observed(self.q_proj, self.k_proj, self.v_proj):
             query, key, value = self.qkv(hidden_states)
         else:
@@ -79,7 +83,6 @@ class DecoderAttention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        positions = get_forward_context().positions[:num_tokens]
         # The rotary kernel may store K/V in the cache itself, unless a hook could still change them after it.
         kv_store = None
         if fused_kernels_enabled(query, "rotary_kv_store") and not is_observed(self.rotary_emb, self.attn):
@@ -89,6 +92,37 @@ class DecoderAttention(nn.Module):
         else:
             query, key = self.rotary_emb(positions, query, key, kv_store=kv_store)
         return self.o_proj(self.attn(query, key, value, kv_store=kv_store))
+
+    def _rotary_in_projection(self, hidden_states: torch.Tensor) -> bool:
+        """Whether rotary runs as the epilogue of the merged q/k/v GEMM (skinny_paired.qkv_rotary_linear):
+        a decode-sized batch on CUDA, no q/k norm between projection and rotary, and no hook on a module
+        it skips (the q/k/v projections, rotary_emb)."""
+        if (self.q_norm is not None or hidden_states.dim() != 2 or not merged_projections_enabled()
+                or not fused_kernels_enabled(hidden_states, "skinny_qkv_rotary")
+                or is_observed(self.q_proj, self.k_proj, self.v_proj, self.rotary_emb)):
+            return False
+        from pellucid.kernels.skinny_gemm import SUPPORTED_DTYPES
+        from pellucid.kernels.skinny_paired import qkv_rotary_config
+        weight = self.qkv.weight
+        return (hidden_states.dtype in SUPPORTED_DTYPES and weight.dtype == hidden_states.dtype
+                and hidden_states.stride(-1) == 1 and weight.is_contiguous()
+                and qkv_rotary_config(hidden_states.shape[0], hidden_states.shape[1], self.num_heads,
+                                      self.num_kv_heads, self.head_dim) is not None)
+
+    def _projection_with_rotary(self, hidden_states: torch.Tensor, positions: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, FusedKVStore | None]:
+        """(rotated q, rotated k, v, kv_store) from one kernel; it also stores K/V in the cache unless a hook
+        on the attention module could still change them (then the attention layer writes them)."""
+        from pellucid.kernels.skinny_paired import qkv_rotary_linear
+        target = self.attn.plain_kv_target() if not is_observed(self.attn) else None
+        weight, bias = self.qkv.merged_parameters()
+        qkv = qkv_rotary_linear(hidden_states, weight, bias, positions, self.rotary_emb.cos_sin_cache, self.num_heads,
+                                self.num_kv_heads, self.head_dim, *(target or (None, None)))
+        query, key, value = qkv.split(self.qkv.sizes, dim=-1)
+        kv_store = None
+        if target is not None:
+            kv_store = FusedKVStore(value.view(-1, self.num_kv_heads, self.head_dim), *target, stored=True)
+        return query, key, value, kv_store
 
 
 class DecoderLayer(nn.Module):

@@ -11,7 +11,17 @@ import array
 
 import torch
 
+from pellucid.kernels import fused_kernels_enabled
 from pellucid.runner.sampling_metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=1); on CUDA the multi-program kernel (pellucid.kernels.argmax), which reads a
+    small batch's rows with many SMs instead of one per row."""
+    if fused_kernels_enabled(logits, "argmax") and logits.dim() == 2 and logits.stride(1) == 1:
+        from pellucid.kernels.argmax import argmax_rows
+        return argmax_rows(logits)
+    return logits.argmax(dim=1)
 
 
 def host_to_device(values: list[int] | list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -141,7 +151,7 @@ class Sampler:
                 and not metadata.banned_token_ids:
             # Plain greedy: argmax on the logits as they are. A float32 copy of [R, V] bf16 logits would
             # cost more device memory traffic than the argmax itself, and picks the same (first) maximum.
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=1))
+            return SamplerOutput(sampled_token_ids=greedy_argmax(logits))
         logits = logits.float()
         # Logprobs are vLLM's default "raw" ones: the model's distribution before any processing.
         raw_logprobs = torch.log_softmax(logits, dim=1) if metadata.max_num_logprobs is not None else None
@@ -153,7 +163,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         logits = self.penalized_logits(logits, metadata)
-        greedy = None if metadata.all_random else logits.argmax(dim=1)
+        greedy = None if metadata.all_random else greedy_argmax(logits)
         if metadata.all_greedy:
             return greedy
         probs = self.filtered_logits(logits, metadata).softmax(dim=1)
