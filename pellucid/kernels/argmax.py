@@ -23,6 +23,13 @@ _workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @triton.jit
+def ordered_int32(x):
+    """float32 -> int32 in the same order (signed compare): flip the magnitude bits of negatives."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
 def _argmax_kernel(x_ptr, out_ptr, best_ptr, count_ptr, num_cols, stride_row, programs_per_row,
                    BLOCK: tl.constexpr, PDL: tl.constexpr):
     release_dependents(PDL)
@@ -31,9 +38,7 @@ def _argmax_kernel(x_ptr, out_ptr, best_ptr, count_ptr, num_cols, stride_row, pr
     mask = offs < num_cols
     wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)       # signed order of the bits = order of the floats
-    key = tl.where(x != x, 0x7FFFFFFF, key)                 # NaN above +inf, as torch.argmax picks it
+    key = tl.where(x != x, 0x7FFFFFFF, ordered_int32(x))     # NaN above +inf, as torch.argmax picks it
     packed = (key.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
     local = tl.max(tl.where(mask, packed, -9223372036854775807 - 1), axis=0)
     tl.atomic_max(best_ptr + row, local, sem="relaxed")

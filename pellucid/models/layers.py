@@ -48,7 +48,7 @@ def merged_projections_enabled() -> bool:
     return setting == "1"
 
 
-def _skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, kernel: str, k: int, silu_mul: bool = False) -> bool:
+def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, kernel: str, k: int, silu_mul: bool = False) -> bool:
     """True when `kernel` (a skinny GEMM) is enabled for x's device and its shapes are decode-sized.
 
     Depends on shapes, dtypes and strides only, so a CUDA-graph capture records the same choice each time.
@@ -63,7 +63,7 @@ def _skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, kernel: str, k: 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """nn.functional.linear; on CUDA a decode-sized x (few rows) runs the skinny GEMM instead of cuBLAS."""
-    if _skinny_gemm_applies(x, weight, "skinny_gemm", x.shape[-1]) and (bias is None or bias.is_contiguous()):
+    if skinny_gemm_applies(x, weight, "skinny_gemm", x.shape[-1]) and (bias is None or bias.is_contiguous()):
         from pellucid.kernels.skinny_gemm import linear as skinny_linear
         return skinny_linear(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
@@ -202,12 +202,12 @@ class GatedMLP(nn.Module):
         # Decode batches: silu(gate) * up is computed inside the down projection's GEMM, which skips the
         # `act_fn` and `down_proj` calls, so only while nothing observes either.
         if (merged and not is_observed(self.act_fn, self.down_proj)
-                and _skinny_gemm_applies(x, self.down_proj.weight, "skinny_silu_down", self.down_proj.in_features, True)):
+                and skinny_gemm_applies(x, self.down_proj.weight, "skinny_silu_down", self.down_proj.in_features, True)):
             from pellucid.kernels.skinny_gemm import silu_mul_linear
             return silu_mul_linear(self.gate_up.merged_output(x), self.down_proj.weight, self.down_proj.bias)
         # Otherwise silu(gate) * up can be the epilogue of the gate/up GEMM (skipping `act_fn` only).
         if (merged and not is_observed(self.act_fn)
-                and _skinny_gemm_applies(x, self.gate_up.weight, "skinny_gate_up_silu", x.shape[-1])):
+                and skinny_gemm_applies(x, self.gate_up.weight, "skinny_gate_up_silu", x.shape[-1])):
             from pellucid.kernels.skinny_paired import gate_up_silu_linear
             return self.down_proj(gate_up_silu_linear(x, *self.gate_up.merged_parameters()))
         if merged:

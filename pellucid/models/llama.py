@@ -24,7 +24,7 @@ from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
 from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm,
-                                    is_observed, merged_projections_enabled, qk_norm_rotary)
+                                    is_observed, merged_projections_enabled, qk_norm_rotary, skinny_gemm_applies)
 from pellucid.models.registry import register_model
 
 
@@ -97,17 +97,13 @@ class DecoderAttention(nn.Module):
         """Whether rotary runs as the epilogue of the merged q/k/v GEMM (skinny_paired.qkv_rotary_linear):
         a decode-sized batch on CUDA, no q/k norm between projection and rotary, and no hook on a module
         it skips (the q/k/v projections, rotary_emb)."""
-        if (self.q_norm is not None or hidden_states.dim() != 2 or not merged_projections_enabled()
-                or not fused_kernels_enabled(hidden_states, "skinny_qkv_rotary")
-                or is_observed(self.q_proj, self.k_proj, self.v_proj, self.rotary_emb)):
+        if (self.q_norm is not None or not merged_projections_enabled()
+                or is_observed(self.q_proj, self.k_proj, self.v_proj, self.rotary_emb)
+                or not skinny_gemm_applies(hidden_states, self.qkv.weight, "skinny_qkv_rotary", hidden_states.shape[-1])):
             return False
-        from pellucid.kernels.skinny_gemm import SUPPORTED_DTYPES
         from pellucid.kernels.skinny_paired import qkv_rotary_config
-        weight = self.qkv.weight
-        return (hidden_states.dtype in SUPPORTED_DTYPES and weight.dtype == hidden_states.dtype
-                and hidden_states.stride(-1) == 1 and weight.is_contiguous()
-                and qkv_rotary_config(hidden_states.shape[0], hidden_states.shape[1], self.num_heads,
-                                      self.num_kv_heads, self.head_dim) is not None)
+        return qkv_rotary_config(hidden_states.shape[0], hidden_states.shape[1], self.num_heads, self.num_kv_heads,
+                                 self.head_dim) is not None
 
     def _projection_with_rotary(self, hidden_states: torch.Tensor, positions: torch.Tensor
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, FusedKVStore | None]:

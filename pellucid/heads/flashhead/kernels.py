@@ -65,11 +65,7 @@ def argmax_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor
 
 if triton is not None:
 
-    @triton.jit
-    def _ordered_int32(x):
-        """float32 -> int32 in the same order (signed compare): flip the magnitude bits of negatives."""
-        bits = x.to(tl.int32, bitcast=True)
-        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    from pellucid.kernels.argmax import ordered_int32 as _ordered_int32
 
     @triton.jit
     def _stage1_kernel(hidden_ptr, centroid_ptr, scale_ptr, noise_ptr, out_ptr, best_ptr, count_ptr, hist_ptr,
