@@ -72,6 +72,9 @@ class RunnerConfig:
     attention_backend: str = "auto"     # "torch" | "triton" | "auto" (triton on CUDA when importable)
     enforce_eager: bool = False         # disables CUDA graphs
     cuda_graph_sizes: list[int] | None = None
+    # Run the engine core in its own process (True) or in the frontend's (False). None: a process for
+    # AsyncLLM and the server, the caller's own thread for LLM (see pellucid/engine/core_client.py).
+    engine_process: bool | None = None
 
 
 @dataclass

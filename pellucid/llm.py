@@ -1,4 +1,9 @@
-"""The offline API, shaped like vLLM's `LLM` so users can switch by changing an import."""
+"""The offline API, shaped like vLLM's `LLM` so users can switch by changing an import.
+
+LLM is a frontend: it tokenizes, checks and fans out requests, and turns the engine core's token ids
+into text. The engine core runs in this thread by default (engine_process=False: nothing is copied, and
+`llm.engine` is the EngineCore for inspection); `engine_process=True` runs it in its own process.
+"""
 from __future__ import annotations
 
 import itertools
@@ -8,11 +13,14 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from pellucid.config import EngineConfig
-from pellucid.engine.engine_core import EngineCore
+from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, make_client
+from pellucid.engine.engine_core import EngineCore, EngineInfo
+from pellucid.engine.input_processor import InputProcessor, ProcessedRequest
+from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
 from pellucid.sampling_params import SamplingParams
-from pellucid.tokenizer import apply_chat_template
+from pellucid.tokenizer import apply_chat_template, load_tokenizer
 
 logger = get_logger(__name__)
 
@@ -43,18 +51,34 @@ class LLM:
         if model is None or model == "default":
             from pellucid.default_model import ensure_default_model
             model = ensure_default_model()
-        self.engine = EngineCore(EngineConfig.from_kwargs(model, **engine_kwargs))
-        self._ids = itertools.count()
+        self._start(EngineConfig.from_kwargs(model, **engine_kwargs))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine = EngineCore(config)
-        llm._ids = itertools.count()
+        llm._start(config)
         return llm
 
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
+        self.client: EngineCoreClient = make_client(config, asynchronous=False)
+        self.info: EngineInfo = self.client.info
+        self.tokenizer = load_tokenizer(self.info.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def engine(self) -> EngineCore:
+        """The EngineCore, when it runs in this process (engine_process=False, the default)."""
+        return self.client.core
+
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine (its process, if it has one). Also done when the interpreter exits."""
+        self.client.shutdown()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -62,14 +86,33 @@ class LLM:
         prompt_list = normalize_prompts(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
         extras_list = list(extras) if extras is not None else [None] * len(prompt_list)
-        for p, sp in zip(prompt_list, params):   # validate everything before queueing anything
-            sp.validate()
-            self.engine.validate_prompt(p)
-        ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
-        for rid, p, sp, ex in zip(ids, prompt_list, params, extras_list):
-            # Final-only: generate() returns finished outputs, so the engine builds nothing per step.
-            self.engine.add_request(rid, p, sp, ex, stream=False)
-        return self._run(ids, use_tqdm)
+        # Everything is checked before anything is queued. Final-only: generate() returns finished
+        # outputs, so the engine reports most requests once, when they end.
+        processed = [self.input_processor.process(f"gen-{next(self._ids)}", p, sp, ex, stream=False)
+                     for p, sp, ex in zip(prompt_list, params, extras_list)]
+        for request in processed:
+            self._add(request, stream=False)
+        return self._run([r.request_id for r in processed], use_tqdm)
+
+    # ---- step by step, as vLLM's LLMEngine: add_request / step / has_unfinished_requests ----------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    extras: dict[str, Any] | None = None, stream: bool = False) -> None:
+        """Queue one request (ValueError, nothing queued, when it is bad). With stream=True, step() reports
+        it every time it progresses (cumulative outputs); with stream=False only once, when it finishes."""
+        self._add(self.input_processor.process(request_id, prompt, params, extras, stream=stream), stream)
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request; its final output (finish_reason "abort") comes from a later step()."""
+        self.client.finish_requests(self.output_processor.child_ids(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished() or self.client.holds_work()
+
+    def _add(self, request: ProcessedRequest, stream: bool) -> None:
+        self.output_processor.add(request.request_id, request.prompt, request.prompt_token_ids, request.params,
+                                  request.child_ids, stream=stream, feature_keys=request.feature_keys)
+        for engine_request in request.engine_requests:
+            self.client.add_request(engine_request)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -77,7 +120,7 @@ class LLM:
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt,
+        prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt,
                                        **(chat_template_kwargs or {})) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -90,8 +133,7 @@ class LLM:
 
     def sites(self) -> list[Any]:
         """Every traceable site (`model.layers.0.output`, ..., `logits`, `tokens`) with its per-token shape."""
-        from pellucid.tracing.api import sites
-        return sites(self.engine.runner)
+        return list(self.info.site_table.sites.values())
 
     # ---- hidden-state extraction (pellucid/extraction) -------------------------------------------
     def extract_hidden_states(self, data: Any, layers: Sequence[int], output_dir: str,
@@ -117,24 +159,52 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         return sp
 
+    def step(self) -> list[RequestOutput]:
+        """One engine report turned into RequestOutputs: the finished requests, and the streaming ones that
+        progressed (stop strings found are sent back to the engine). With the engine in this thread, this
+        runs one engine step."""
+        outputs = self.client.get_outputs()
+        if outputs.engine_error is not None:
+            for out in self.output_processor.fail_all(outputs.engine_error):
+                logger.error("request %s failed: the engine died", out.request_id)
+            raise EngineDeadError(f"the engine core died: {outputs.engine_error}")
+        results, stops = self.output_processor.process(outputs.outputs)
+        if stops:
+            self.client.finish_requests([s.child_id for s in stops], "stop", [s.num_output_tokens for s in stops])
+        return results
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        """Step the engine until every request in `ids` finished; outputs in the order of `ids`."""
+        """Take engine reports until every request in `ids` finished; outputs in the order of `ids`."""
         pending = set(ids)
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2,
                    dynamic_ncols=True)
         start, out_tokens = time.monotonic(), 0
-        while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    final[out.request_id] = out
-                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                    if out.error:
-                        logger.error("request %s failed: %s", out.request_id, out.error)
-                    bar.update(1)
-                    bar.set_postfix_str(f"output {out_tokens / max(time.monotonic() - start, 1e-9):.1f} tok/s")
-            if pending and not self.engine.has_unfinished_requests():
-                raise RuntimeError(f"engine went idle with unfinished requests: {sorted(pending)[:5]}")
-        bar.close()
+        try:
+            while pending:
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        final[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if out.error:
+                            logger.error("request %s failed: %s", out.request_id, out.error)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {out_tokens / max(time.monotonic() - start, 1e-9):.1f} tok/s")
+                if pending and self.client.is_idle():
+                    raise RuntimeError(f"engine went idle with unfinished requests: {sorted(pending)[:5]}")
+        except BaseException:
+            self._abort(pending)        # interrupted (Ctrl-C, a failure): the engine drops them too
+            raise
+        finally:
+            bar.close()
         return [final[i] for i in ids]
+
+    def _abort(self, request_ids: set[str]) -> None:
+        children = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
+        for rid in request_ids:
+            self.output_processor.forget(rid)
+        try:
+            self.client.finish_requests(children)
+        except Exception:
+            logger.exception("aborting the unfinished requests failed")

@@ -1,4 +1,5 @@
-"""Faults injected into a running AsyncLLM's engine steps (slow steps, failing steps), undone on exit."""
+"""Faults injected into a running AsyncLLM's engine steps (slow steps, failing steps), undone on exit.
+The engine core must run in the test's process (AsyncLLM(..., engine_process=False))."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,7 @@ from pellucid.engine.async_llm import AsyncLLM
 @contextlib.contextmanager
 def slowed_steps(llm: AsyncLLM, seconds: float) -> Iterator[None]:
     """Make every engine step take at least `seconds`, so a request is reliably still running later."""
-    core = llm._core
+    core = llm.engine
     real_step = core.step
 
     def slow_step():
@@ -28,7 +29,7 @@ def slowed_steps(llm: AsyncLLM, seconds: float) -> Iterator[None]:
 def failing_step(llm: AsyncLLM) -> Iterator[Callable[[], None]]:
     """Make the next engine step raise RuntimeError("injected step failure"); the steps after it run normally.
     Yields `fail_next_step()`, which arms one more failure."""
-    core = llm._core
+    core = llm.engine
     real_step = core.step
     failures = {"left": 1}
 

@@ -23,8 +23,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next step before this one is read back, so host work overlaps "
-                        "device work (default: on for offline generation on CUDA; off on the CPU and "
-                        "under the server, where it starves the streaming thread)")
+                        "device work (default: on on CUDA, off on the CPU and where the engine core shares "
+                        "its process with an asyncio frontend, i.e. --no-engine-process under serve)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine core in its own process (default: yes for `serve`, no for offline "
+                        "commands); --no-engine-process keeps it in this process, e.g. to debug it")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
     g.add_argument("--head", default="dense", help="LM head: dense, flashhead, or a plugin name")
@@ -40,6 +43,6 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                async_scheduling=args.async_scheduling,
+                async_scheduling=args.async_scheduling, engine_process=args.engine_process,
                 attention_backend=args.attention_backend, seed=args.seed,
                 head=args.head, head_options=args.head_options)

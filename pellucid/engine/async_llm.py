@@ -1,32 +1,38 @@
-"""AsyncLLM: the engine core driven by one background thread, streamed to asyncio consumers.
+"""AsyncLLM: the engine for asyncio code, with the engine core in its own process by default.
 
-The engine core is not thread-safe, so only the loop thread touches it. Other threads hand over
-adds and aborts through a command list guarded by a condition; the loop drains it before every
-step and sleeps on the condition when there is nothing to do. Outputs travel back to each
-request's asyncio queue through `loop.call_soon_threadsafe`.
+AsyncLLM is a frontend: `add_request` tokenizes and checks a request on the caller's event loop (a bad
+one raises ValueError before anything reaches the engine), sends it to the engine core, and returns a
+stream. One output-handler task per event loop takes the engine's reports, does the per-token work
+(detokenization, stop strings, logprobs text) and feeds each request's stream. The engine core runs
+in its own process (engine_process=True, the default here), or in a thread of this process
+(engine_process=False: one interpreter, simpler to debug, but the engine's steps compete with the
+event loop for the GIL).
+
+AsyncLLM serves one event loop at a time; a later `asyncio.run` may use it again.
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import pellucid
 from pellucid.config import EngineConfig
-from pellucid.engine.engine_core import EngineCore, EngineStats
+from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, make_client
+from pellucid.engine.engine_core import EngineCore, EngineInfo
+from pellucid.engine.input_processor import InputProcessor
+from pellucid.engine.messages import EngineCoreOutputs, EngineStats
+from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
 from pellucid.sampling_params import SamplingParams
+from pellucid.tokenizer import load_tokenizer
 
 logger = get_logger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (shut down, or it crashed); no request can be served."""
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream"]
 
 
 class RequestFailedError(RuntimeError):
@@ -39,29 +45,22 @@ class RequestFailedError(RuntimeError):
 
 
 class RequestStream:
-    """Cumulative outputs of one request, fed by the engine thread, read on the asyncio loop that added it.
+    """Cumulative outputs of one request, read on the event loop that added it.
 
     Iterating yields `RequestOutput`s until the finished one; a failed request raises
     `RequestFailedError`. Cancelling the reader, or calling `cancel()` before the request finished,
     aborts the request in the engine.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, async_llm: "AsyncLLM") -> None:
+    def __init__(self, request_id: str, async_llm: "AsyncLLM") -> None:
         self.request_id = request_id
-        self._loop = loop
         self._async_llm = async_llm
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._done = False
 
-    # Engine-thread side.
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            # The consumer's event loop is closed: nobody is left to read this request.
-            pass
+        self._queue.put_nowait(item)
 
-    # Consumer side.
     @property
     def finished(self) -> bool:
         return self._done
@@ -94,22 +93,6 @@ class RequestStream:
         return item
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    extras: dict[str, Any] | None
-    stream: RequestStream
-    accepted: asyncio.Future
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    step_asked: int         # engine steps run when abort() was called
-
-
 class AsyncLLM:
     """`async for out in llm.generate(prompt, params)`: many concurrent requests, one scheduler.
 
@@ -131,84 +114,67 @@ class AsyncLLM:
 
     def _start(self, config: EngineConfig) -> None:
         self.config = config
-        if config.scheduler.async_scheduling is None:
-            # Stepping ahead keeps the loop thread busy on the host for the whole step, so it seldom
-            # releases the GIL that the asyncio thread needs to stream tokens out. Measured through
-            # `pellucid serve` on an H100 (Qwen3-0.6B shape, 300 streamed requests at once): serial steps
-            # gave 5,783 output tok/s, stepping ahead 4,429. Asking for async_scheduling=True still turns it on.
-            config.scheduler.async_scheduling = False
-        self._core = EngineCore(config)
-        # The HTTP side tokenizes on its own copy: the core's tokenizer belongs to the loop thread.
-        self.tokenizer = copy.deepcopy(self._core.tokenizer)
-        self.hf_config = self._core.hf_config
-        self.max_model_len: int = self._core.max_model_len
-        self.model_name: str = self._core.model_name
-        self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort] = []
+        self._client: EngineCoreClient = make_client(config, asynchronous=True)
+        self.info: EngineInfo = self._client.info
+        self.tokenizer = load_tokenizer(self.info.tokenizer)
+        self.max_model_len: int = self.info.max_model_len
+        self.model_name: str = self.info.model_name
+        self._inputs = InputProcessor(self.tokenizer, self.info)
+        self._outputs = OutputProcessor(self.tokenizer)
+        self._streams: dict[str, RequestStream] = {}
+        self._handler: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread_id: int | None = None
         self._stopping = False
-        self._dead: BaseException | None = None
-        self._streams: dict[str, RequestStream] = {}      # loop thread only
-        self.num_steps = 0
-        self.num_step_failures = 0
-        self.num_aborted = 0
-        self.max_abort_lag_steps = 0   # most engine steps between abort() and its effect
-        self._stats = self._core.stats()
-        self._thread = threading.Thread(target=self._run, name="pellucid-engine-loop", daemon=True)
-        self._thread.start()
+        self._dead: str | None = None
+        self._on_dead: list[Callable[[str], None]] = []
 
-    # ---- public API (any thread / the asyncio loop) ----
+    # ---- public API ----
 
     def engine_info(self) -> dict[str, Any]:
         """Facts about the loaded engine for the startup banner (fixed after construction)."""
-        core, config = self._core, self.config
-        cuda_graphs = core.device.type == "cuda" and not config.runner.enforce_eager
-        return {
-            "version": pellucid.__version__,
-            "dtype": str(core.dtype).removeprefix("torch."),
-            "device": str(core.device),
-            "num_blocks": core.num_blocks,
-            "block_size": config.cache.block_size,
-            "features": {
-                "prefix_caching": config.cache.enable_prefix_caching,
-                "chunked_prefill": config.scheduler.enable_chunked_prefill,
-                "max_num_seqs": config.scheduler.max_num_seqs,
-                "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-                "attention_backend": config.runner.attention_backend,
-                "cuda_graphs": cuda_graphs,
-                "lm_head": core.runner.head.describe(),
-            },
-        }
+        info = self.info
+        return {"version": pellucid.__version__, "dtype": info.dtype, "device": info.device,
+                "num_blocks": info.num_blocks, "block_size": info.block_size, "features": info.features(),
+                "engine_pid": info.pid}
 
-    # ---- tracing accessor (begin) ----
     @property
-    def model(self) -> Any:
-        """The loaded model's module tree, for naming trace sites (`async_trace` checks paths on it).
-        The engine thread runs it: read its structure, never call it from another thread."""
-        return self._core.model
-    # ---- tracing accessor (end) ----
+    def engine(self) -> EngineCore:
+        """The EngineCore object, when it runs in this process (engine_process=False)."""
+        return self._client.core
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping and self._dead is None
+        return not self._stopping and self._dead is None and self._client.dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is gone, once it is."""
+        return self._dead or self._client.dead_reason
+
+    def on_engine_dead(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` on the event loop once the engine dies (not on a requested shutdown)."""
+        self._on_dead.append(callback)
 
     def get_stats(self) -> EngineStats:
-        """The engine's `EngineStats` as of the last step (snapshotted by the loop thread)."""
-        return self._stats
+        """The engine's stats as of its last report."""
+        return self._client.latest_stats or EngineStats(num_total_blocks=self.info.num_blocks)
 
     async def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
                           request_id: str | None = None, extras: dict[str, Any] | None = None) -> RequestStream:
-        """Validate and queue a request; raises ValueError (bad input) before returning its stream."""
+        """Check and queue a request; raises ValueError (bad input) before anything is sent."""
         self._check_alive()
         request_id = request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, self)
-        accepted = loop.create_future()
-        self._submit(_Add(request_id, prompt, sampling_params, extras, stream, accepted))
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        processed = self._inputs.process(request_id, prompt, sampling_params, extras, stream=True)
+        self._ensure_handler()
+        stream = RequestStream(request_id, self)
+        self._outputs.add(request_id, processed.prompt, processed.prompt_token_ids, processed.params,
+                          processed.child_ids, stream=True, feature_keys=processed.feature_keys)
+        self._streams[request_id] = stream
+        for engine_request in processed.engine_requests:
+            self._client.add_request(engine_request)
         return stream
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
@@ -223,140 +189,110 @@ class AsyncLLM:
             stream.cancel()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; applied before the next engine step."""
-        with self._cond:
-            if self._stopping:
-                return
-            self._commands.append(_Abort(request_id, self.num_steps))
-            self._cond.notify()
+        """Abort a request; from the event loop, or from any thread while a loop serves this engine."""
+        self._on_loop(self._abort, request_id)
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run one of the engine core's utilities (EngineCore.UTILITIES)."""
+        self._check_alive()
+        return await self._client.call_utility_async(method, *args)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop: requests in flight are aborted (blocks freed) and their readers get EngineDeadError."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.error("engine loop did not stop within %.0f s", timeout)
+        """Stop the engine: requests in flight are aborted and their readers get EngineDeadError."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._on_loop(self._fail_all, "the engine was shut down")
+        self._client.shutdown(timeout)
 
     # ---- internals ----
 
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` where the frontend's state lives: on the serving event loop's thread."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and threading.get_ident() != self._loop_thread_id:
+            loop.call_soon_threadsafe(fn, *args)
+        else:
+            fn(*args)
+
     def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
+        reason = self.dead_reason
+        if reason is not None:
+            raise EngineDeadError(f"the engine core is not running: {reason}")
 
-    def _submit(self, command: _Add | _Abort) -> None:
-        with self._cond:
-            if self._stopping:
-                raise EngineDeadError("the engine is shutting down")
-            self._commands.append(command)
-            self._cond.notify()
+    def _abort(self, request_id: str) -> None:
+        children = self._outputs.child_ids(request_id)
+        if not children:
+            return
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            # Nobody reads it any more: forget it now; the engine's final report for it is dropped.
+            self._streams.pop(request_id, None)
+            self._outputs.forget(request_id)
+        if self.is_running:
+            self._client.finish_requests(children)
 
-    def _run(self) -> None:
+    def _ensure_handler(self) -> None:
+        """One output-handler task on the running loop (a new loop, e.g. a later asyncio.run, gets its own)."""
+        loop = asyncio.get_running_loop()
+        if self._handler is not None and self._loop is loop and not self._handler.done():
+            return
+        self._loop = loop
+        self._loop_thread_id = threading.get_ident()
+        self._handler = loop.create_task(self._handle_outputs(), name="pellucid-output-handler")
+
+    async def _handle_outputs(self) -> None:
+        client = self._client
         try:
-            self._loop_forever()
-        except BaseException as exc:  # an engine-loop bug must not leave readers hanging
-            logger.exception("engine loop crashed")
-            self._dead = exc
-            self._fail_all(EngineDeadError(f"the engine loop crashed: {exc!r}"))
+            while True:
+                outputs = await client.get_outputs_async()
+                if outputs.engine_error is not None:
+                    self._engine_died(outputs.engine_error)
+                    return
+                self._deliver(outputs)
+                # Not kept while waiting for the next report: the final outputs must be the only owners
+                # of what they carry (saves).
+                del outputs
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a frontend bug must not leave readers hanging
+            logger.exception("the output handler crashed")
+            self._fail_all(f"the output handler crashed: {exc!r}")
 
-    def _loop_forever(self) -> None:
-        core = self._core
-        while True:
-            busy = core.has_unfinished_requests()
-            with self._cond:
-                while not busy and not self._commands and not self._stopping:
-                    self._cond.wait()
-                commands, self._commands = self._commands, []
-                stopping = self._stopping
-            if stopping:
-                for command in commands:
-                    if isinstance(command, _Add):
-                        _resolve(command.accepted, EngineDeadError("the engine is shutting down"))
-                self._fail_all(EngineDeadError("the engine was shut down"))
-                self._stats = core.stats()
-                return
-            for command in commands:
-                self._apply(command)
-            if core.has_unfinished_requests():
-                self._step()
-            else:
-                self._stats = core.stats()
-
-    def _apply(self, command: _Add | _Abort) -> None:
-        core = self._core
-        if isinstance(command, _Abort):
-            stream = self._streams.get(command.request_id)
-            if stream is not None:
-                core.abort_request(command.request_id)
-                self.num_aborted += 1
-                self.max_abort_lag_steps = max(self.max_abort_lag_steps, self.num_steps - command.step_asked)
-                # A reader still listening (abort() called by someone else) gets the core's final
-                # output with finish_reason "abort"; a reader that left needs nothing more.
-                if stream.finished:
-                    del self._streams[command.request_id]
+    def _deliver(self, outputs: EngineCoreOutputs) -> None:
+        if not outputs.outputs:
             return
-        if command.accepted.cancelled():
-            return
-        try:
-            if command.request_id in self._streams:
-                raise ValueError(f"request id {command.request_id!r} is already in flight")
-            core.add_request(command.request_id, command.prompt, command.params, command.extras)
-        except Exception as exc:
-            _resolve(command.accepted, exc)
-            return
-        self._streams[command.request_id] = command.stream
-        _resolve(command.accepted, None)
-
-    def _step(self) -> None:
-        try:
-            outputs = self._core.step()
-        except Exception as exc:
-            self.num_step_failures += 1
-            logger.exception("engine step failed; failing the requests in flight and serving on")
-            self._fail_all(RequestFailedError("(in flight)", f"engine step failed: {exc!r}"), per_request=True)
-            return
-        self.num_steps += 1
-        # Snapshot before delivering, so a reader that saw its final output also sees its blocks freed.
-        self._stats = self._core.stats()
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
+        results, stops = self._outputs.process(outputs.outputs)
+        if stops:
+            self._client.finish_requests([s.child_id for s in stops], "stop", [s.num_output_tokens for s in stops])
+        streams = self._streams
+        for output in results:
+            stream = streams.get(output.request_id)
             if stream is None:
                 continue            # aborted by its reader; nobody listens
             if output.finished:
-                del self._streams[output.request_id]
+                del streams[output.request_id]
             if output.error is not None:
                 stream.put(RequestFailedError(output.request_id, output.error))
             else:
                 stream.put(output)
 
-    def _fail_all(self, error: BaseException, per_request: bool = False) -> None:
-        """End every request in flight: abort it in the core (freeing its blocks) and tell its reader."""
-        streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
-            try:
-                self._core.abort_request(request_id)
-            except Exception:
-                logger.exception("aborting request %s failed", request_id)
-            if per_request and isinstance(error, RequestFailedError):
-                stream.put(RequestFailedError(request_id, error.message))
-            else:
-                stream.put(error)
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    """Complete an asyncio future from the engine thread (no-op if its reader gave up)."""
-    def settle() -> None:
-        if future.done():
+    def _engine_died(self, reason: str) -> None:
+        if self._stopping:
             return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-    try:
-        future.get_loop().call_soon_threadsafe(settle)
-    except RuntimeError:
-        pass
+        self._dead = reason
+        self._fail_all(f"the engine core died: {reason}")
+        for callback in self._on_dead:
+            try:
+                callback(reason)
+            except Exception:
+                logger.exception("an engine-death callback failed")
+
+    def _fail_all(self, reason: str) -> None:
+        """End every request in flight: its reader gets EngineDeadError."""
+        streams, self._streams = self._streams, {}
+        self._outputs.fail_all(reason)
+        for stream in streams.values():
+            stream.put(EngineDeadError(reason))

@@ -1,32 +1,37 @@
-"""The engine core shared by LLM, AsyncLLM and the server: requests in, one step at a time, outputs out."""
+"""The engine core: token-id requests in, one step at a time, token-id outputs out.
+
+It owns the model, the KV cache, the scheduler and the request features; it knows nothing of text.
+The frontends (LLM, AsyncLLM, the server) reach it through an EngineCoreClient (core_client.py), in
+their own process or in the engine-core process (core_proc.py), with the messages of messages.py.
+"""
 from __future__ import annotations
 
-import dataclasses
-import operator
+import json
+import os
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
+import pellucid
 from pellucid.config import EngineConfig, resolve_device, resolve_dtype
 from pellucid.engine.block_pool import BlockPool
+from pellucid.engine.features import ActiveFeatures, still_unfinished
 from pellucid.engine.kv_cache_manager import KVCacheManager
-from pellucid.engine.output_processor import OutputProcessor
+from pellucid.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStats
 from pellucid.engine.request import Request, RequestStatus
 from pellucid.engine.scheduler import Scheduler
-from pellucid.logger import get_logger
-from pellucid.models.loader import load_model
-from pellucid.outputs import RequestOutput
 from pellucid.engine.scheduler_output import SchedulerOutput
+from pellucid.logger import get_logger
+from pellucid.models.loader import load_model, read_eos_token_ids
 from pellucid.runner.model_runner import LaunchedStep, ModelRunner
 from pellucid.runner.output import ModelRunnerOutput
-from pellucid.sampling_params import SamplingParams
-from pellucid.tokenizer import eos_token_ids, load_tokenizer
-from pellucid.tracing.plan import TRACE_KEY, finish_traced_requests, prepare_traced_request
 
 logger = get_logger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
@@ -39,26 +44,62 @@ class _InFlight:
 
 
 @dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_used_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_steps: int
+class EngineInfo:
+    """What an engine core publishes about itself once it is up (fixed for its life): what the frontends
+    need to check requests before sending them, and the facts of the start-up banner."""
+
+    version: str
+    model: str                       # the model directory
+    tokenizer: str                   # the tokenizer directory
+    model_name: str                  # the served name
+    architecture: str
+    dtype: str
+    device: str
+    pid: int
+    max_model_len: int
+    vocab_size: int                  # the LM head's rows: valid token ids are [0, vocab_size)
+    num_hidden_layers: int
+    hidden_size: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    async_scheduling: bool
+    attention_backend: str
+    cuda_graphs: bool
+    lm_head: dict[str, Any]
+    # The traceable sites (pellucid.tracing.sites.SiteTable). In the engine's own process it is probed on
+    # first use (a tiny forward); an engine in another process probes it before publishing its info.
+    site_table_loader: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+    _site_table: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def site_table(self) -> Any:
+        if self._site_table is None:
+            if self.site_table_loader is None:
+                raise RuntimeError("this engine info carries no site table")
+            self._site_table = self.site_table_loader()
+        return self._site_table
+
+    def features(self) -> dict[str, Any]:
+        """The banner's feature list."""
+        return {"prefix_caching": self.enable_prefix_caching, "chunked_prefill": self.enable_chunked_prefill,
+                "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "async_scheduling": self.async_scheduling, "attention_backend": self.attention_backend,
+                "cuda_graphs": self.cuda_graphs, "lm_head": self.lm_head}
 
 
 class EngineCore:
+    # Methods a frontend may call through EngineCoreClient.call_utility (by name; arguments and results
+    # are plain data: what msgpack carries as it is).
+    UTILITIES = frozenset({"reset_prefix_cache"})
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
         self.device = torch.device(resolve_device(config.runner.device))
-        self.tokenizer = load_tokenizer(mc.tokenizer or mc.model)
         torch.manual_seed(mc.seed)
         dtype = resolve_dtype(mc.dtype, str(self.device), _config_dtype(mc.model))
         self.model, self.hf_config = load_model(mc.model, dtype, self.device, mc.max_model_len)
@@ -69,7 +110,7 @@ class EngineCore:
         if sc.max_num_batched_tokens is None:
             sc.max_num_batched_tokens = min(max(2048, self.max_model_len), 8192) if sc.enable_chunked_prefill \
                 else self.max_model_len
-        self.eos_token_ids = eos_token_ids(mc.model, self.tokenizer, self.hf_config)
+        self.eos_token_ids = _eos_token_ids(mc.model, mc.tokenizer or mc.model, self.hf_config)
         self.runner = ModelRunner(config, self.model, self.hf_config, self.device, self.dtype,
                                   self.max_model_len, sc.max_num_batched_tokens)
         self.num_blocks = self.runner.determine_num_blocks()
@@ -78,18 +119,18 @@ class EngineCore:
         self.block_pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sc, config.cache, self.kv_manager, self.max_model_len)
-        self.outputs = OutputProcessor(self.tokenizer)
-        self._pending_outputs: set[str] = set()   # parents with news not yet reported (aborts, errors)
+        self.features = ActiveFeatures(self)
+        self._pending: dict[str, Request] = {}    # ended outside a step (abort, stop), not reported yet
+        self._refused: list[EngineCoreOutput] = []   # requests add_request refused (refuse())
         if sc.async_scheduling is None:
             sc.async_scheduling = self.device.type == "cuda"
         self.async_scheduling = sc.async_scheduling
         self._in_flight: _InFlight | None = None  # the step launched ahead (async scheduling)
-        self._traced: list[Request] = []         # unfinished traced requests (their saves are finished per step)
         self._serial_only: list[Request] = []    # unfinished requests that cannot step ahead (can_step_ahead)
-        self.runner.trace_possible = False
         self.num_discarded_tokens = 0            # in-flight tokens of requests that ended before them
         self.num_steps_ahead = 0                 # steps launched before the previous one was read back
-        self.prompt_tokens_total = 0
+        self.num_step_failures = 0
+        self.num_aborted = 0
         self.num_steps = 0
         logger.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d KV cache: %d blocks x %d tokens "
                     "= %d tokens; prefix caching %s, chunked prefill %s (budget %d tokens/step)",
@@ -131,95 +172,116 @@ class EngineCore:
             raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}")
         return asked
 
-    # ---- requests -------------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
+    def info(self, probe_sites: bool = False) -> EngineInfo:
+        """The engine's published facts; `probe_sites` probes the site table now (for another process)."""
+        from pellucid.tracing.sites import site_table
 
-    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids for a prompt, or ValueError naming what is wrong with it."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            ids = self.tokenize(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            vocab = self.runner.head.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        config, sc = self.config, self.config.scheduler
+        info = EngineInfo(
+            version=pellucid.__version__, model=config.model.model,
+            tokenizer=config.model.tokenizer or config.model.model, model_name=self.model_name,
+            architecture=type(self.model).__name__, dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device), pid=os.getpid(), max_model_len=self.max_model_len,
+            vocab_size=self.runner.head.vocab_size, num_hidden_layers=int(self.hf_config.num_hidden_layers),
+            hidden_size=int(self.hf_config.hidden_size), num_blocks=self.num_blocks,
+            block_size=config.cache.block_size, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, enable_chunked_prefill=sc.enable_chunked_prefill,
+            enable_prefix_caching=bool(config.cache.enable_prefix_caching), async_scheduling=self.async_scheduling,
+            attention_backend=self.runner.backend.name, cuda_graphs=self.runner.cuda_graphs is not None,
+            lm_head=self.runner.head.describe())
+        if probe_sites:
+            info._site_table = site_table(self.runner)
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room for output within "
-                             f"max_model_len={self.max_model_len}")
-        sc = self.config.scheduler
-        if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
-                             f"{sc.max_num_batched_tokens} with chunked prefill disabled")
-        return ids
+            info.site_table_loader = lambda: site_table(self.runner)
+        return info
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    extras: dict[str, Any] | None = None, stream: bool = True) -> None:
-        """Queue a request. With stream=True step() reports it every step it progresses (cumulative
-        outputs, for AsyncLLM and the server); with stream=False only once, when it finishes (LLM.generate),
-        which spares the per-step output building and, without stop strings, incremental detokenization."""
-        if request_id in self.outputs.parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    # ---- requests -------------------------------------------------------------------------------
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        """ValueError naming what is wrong with a prompt's token ids (the frontend checks the same first)."""
+        check_prompt_ids(ids, self.runner.head.vocab_size, self.max_model_len,
+                         self.config.scheduler.enable_chunked_prefill, self.config.scheduler.max_num_batched_tokens)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (nothing queued) when it cannot run."""
+        rid = request.request_id
+        if rid in self.scheduler.requests or rid in self._pending:
+            raise ValueError(f"request id {rid!r} is already in use")
+        params = request.params
         params.validate()
-        ids = self.validate_prompt(prompt)
-        children = []
-        for i in range(params.n):
-            child_params = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i,
-                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, ids, child_params, self.eos_token_ids,
-                          prompt=prompt if isinstance(prompt, str) else None, max_model_len=self.max_model_len)
-            if child_params.prompt_logprobs is not None:
-                req.read_prefix_cache = False   # prompt logprobs need every prompt position computed
-            req.extras.update(extras or {})
-            prepare_traced_request(req, params.n, self.runner)   # tracing: bind the plan, prefix-cache policy
-            children.append(req)
-        self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, children, stream)
-        for req in children:
-            self.scheduler.add_request(req)
-            if req.extras.get(TRACE_KEY) is not None:
-                self._traced.append(req)
-                self.runner.trace_possible = True
-            if not req.can_step_ahead:
-                self._serial_only.append(req)
+        if params.n != 1:
+            raise ValueError(f"the engine core runs one sequence per request (got n={params.n}); the frontend "
+                             "fans n > 1 out")
+        self.check_prompt_ids(request.prompt_token_ids)
+        req = Request(rid, request.prompt_token_ids, params, self.eos_token_ids,
+                      arrival_time=request.arrival_time, max_model_len=self.max_model_len)
+        req.stream_outputs = request.stream
+        if params.prompt_logprobs is not None:
+            req.read_prefix_cache = False   # prompt logprobs need every prompt position computed
+        if request.extras:
+            req.extras.update(request.extras)
+            self.features.prepare(req)
+        self.scheduler.add_request(req)
+        if req.extras:
+            self.features.queued(req)
+        if not req.can_step_ahead:
+            self._serial_only.append(req)
 
-    def abort_request(self, request_id: str) -> None:
-        children = self.outputs.children_of(request_id)
-        if not children:
-            return
-        self._end_requests([c.request_id for c in children], RequestStatus.FINISHED_ABORTED)
-        self._pending_outputs.add(request_id)
+    def refuse(self, request: EngineCoreRequest, error: str) -> None:
+        """Report a request that add_request refused as failed, in the next step's outputs (for frontends
+        that do not wait for add_request's ValueError: an engine in another process)."""
+        self._refused.append(EngineCoreOutput(request.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
+                                              error=error))
 
-    def _end_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Finish requests now (their blocks are freed). One that is in the in-flight step gets a token
+    def finish_requests(self, request_ids: list[str], reason: str = "abort",
+                        num_output_tokens: list[int] | None = None) -> None:
+        """End requests now (their blocks are freed); `reason` "stop": a stop string the frontend found
+        completed at `num_output_tokens[i]` output tokens. One that is in the in-flight step gets a token
         from it that update_from_output drops, since the request no longer runs."""
-        self.scheduler.finish_requests(request_ids, status)
+        status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_ABORTED
+        ended = []
+        for i, rid in enumerate(request_ids):
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            if num_output_tokens is not None:
+                req.truncate_output(num_output_tokens[i])
+            ended.append(req)
+        self.scheduler.finish_requests([r.request_id for r in ended], status)
+        if status is RequestStatus.FINISHED_ABORTED:
+            self.num_aborted += len(ended)
+        self.features.after_finish(ended)
+        for req in ended:
+            self._pending[req.request_id] = req
+
+    def abort_all(self, error: str | None = None) -> None:
+        """End every unfinished request (shutdown, a failed step): aborted, or failed with `error`."""
+        ids = list(self.scheduler.requests)
+        if error is None:
+            self.finish_requests(ids)
+            return
+        ended = [self.scheduler.requests[rid] for rid in ids]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        for req in ended:
+            req.error = error
+            self._pending[req.request_id] = req
+        self.features.after_finish(ended)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs) or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._refused)
+                or self._in_flight is not None)
 
     # ---- one step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> EngineCoreOutputs:
         """Run one step's tokens through to outputs; with async scheduling, launch the next step first.
 
         Serial: schedule N -> launch N -> collect N -> update -> outputs of N.
         Async:  schedule N+1 ahead and launch it (N's sampled ids feed it on the device) -> collect N
-                (launched by the previous call) -> update -> outputs of N (detokenization, stop strings)
-                while the device runs N+1. The host work of a step hides behind the device work of the next.
-        Every call returns the outputs of the tokens it collected. A request that ends with N's token
-        (EOS, a stop string, an abort) already has an N+1 token in flight: update_from_output drops it,
-        so nothing past the end is ever reported; its blocks are freed at once.
+                (launched by the previous call) -> update -> outputs of N while the device runs N+1.
+        Every call returns the outputs of the tokens it collected, plus requests that ended outside a step.
+        A request that ends with N's token (EOS, a stop string, an abort) already has an N+1 token in
+        flight: update_from_output drops it, so nothing past the end is ever reported.
         """
-        touched: set[str] = set(self._pending_outputs)
-        self._pending_outputs.clear()
+        outputs: list[EngineCoreOutput] = []
         current, self._in_flight = self._in_flight, None
         if current is None:
             so = self._schedule()
@@ -232,29 +294,64 @@ class EngineCore:
         if current is not None:
             so, ro = current.so, self._collect(current)
             generated_before = self.scheduler.total_generated_tokens
-            changed = self.scheduler.update_from_output(so, ro, now=time.monotonic())
+            changed = self.scheduler.update_from_output(so, ro)
             self.num_discarded_tokens += len(ro.sampled_token_ids) - (
                 self.scheduler.total_generated_tokens - generated_before)
-            stopped = self.outputs.process_tokens(changed, ro)
-            if stopped:
-                self._end_requests(stopped, RequestStatus.FINISHED_STOPPED)
-            if self._traced:
-                finish_traced_requests(changed)   # tracing: stack the saves of finished traced requests
-            touched |= self.outputs.parents_to_report(changed)
-            if self._traced:
-                self._traced = _still_unfinished(self._traced, self.scheduler.requests)
-                self.runner.trace_possible = bool(self._traced)
-        self.prompt_tokens_total = self.scheduler.total_prompt_tokens
+            self.features.after_step(changed)
+            make = self._output
+            outputs = [make(req, ro) for req in changed if req.stream_outputs or req.status is not _RUNNING]
+        return EngineCoreOutputs(self._with_pending(outputs))
+
+    def _with_pending(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """`outputs` plus the requests that ended outside the step and have not been reported."""
         # Requests the scheduler ended on its own (e.g. they can never fit in the KV pool).
-        touched |= self.outputs.parents_of(self.scheduler.drain_finished_unreported())
-        return self.outputs.make_outputs(touched)
+        for req in self.scheduler.drain_finished_unreported():
+            self._pending[req.request_id] = req
+        if self._pending:
+            reported = {out.request_id for out in outputs}
+            outputs.extend(self._output(req, None) for rid, req in self._pending.items() if rid not in reported)
+            self._pending.clear()
+        if self._refused:
+            outputs.extend(self._refused)
+            self._refused.clear()
+        return outputs
+
+    def fail_in_flight(self, error: str) -> EngineCoreOutputs:
+        """After a fault outside the per-step error handling: drop the step in flight, fail every
+        unfinished request with `error`, and return their final outputs."""
+        self._in_flight = None
+        self.num_step_failures += 1
+        self.abort_all(error)
+        return EngineCoreOutputs(self._with_pending([]))
+
+    def _output(self, req: Request, ro: ModelRunnerOutput | None) -> EngineCoreOutput:
+        """A request's news: the tokens it has not reported yet, their logprobs, and how it ended."""
+        tokens = req.output_token_ids
+        reported = req.num_reported_tokens
+        new = tokens[reported:] if reported else list(tokens)
+        req.num_reported_tokens = len(tokens)
+        out = EngineCoreOutput(req.request_id, new, num_cached_tokens=max(req.num_cached_tokens, 0))
+        if ro is not None:
+            rid = req.request_id
+            if ro.logprobs and rid in ro.logprobs and new:
+                out.new_logprobs = [ro.logprobs[rid]]
+            if ro.prompt_logprobs and rid in ro.prompt_logprobs:
+                out.prompt_logprobs = ro.prompt_logprobs[rid]
+        if req.status is not _RUNNING and req.status.finished:
+            out.finish_reason = req.status.value
+            out.stop_reason = req.stop_reason
+            out.error = req.error
+            # The output becomes the only owner of the feature outputs: finished requests stay referenced
+            # by engine internals for a while (persistent batch rows, the last step's trace).
+            out.extras, req.feature_outputs = req.feature_outputs, None
+        return out
 
     def _can_schedule_ahead(self, current: _InFlight) -> bool:
         """Whether the next step may be launched before `current` is read back (async scheduling)."""
         if not self.async_scheduling or current.failed is not None or self.scheduler.ahead_blocked:
             return False
         # Requests that need their tokens on the host first (Request.can_step_ahead).
-        self._serial_only = _still_unfinished(self._serial_only, self.scheduler.requests)
+        self._serial_only = still_unfinished(self._serial_only, self.scheduler.requests)
         return not self._serial_only
 
     def _schedule(self, ahead: bool = False) -> SchedulerOutput | None:
@@ -282,37 +379,63 @@ class EngineCore:
         except Exception as exc:
             return self._failed_step(in_flight.so, exc)
 
-    @staticmethod
-    def _failed_step(so: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+    def _failed_step(self, so: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        self.num_step_failures += 1
         logger.error("model step failed; failing its %d requests:\n%s", so.num_reqs, traceback.format_exc())
         return ModelRunnerOutput(errors={r.request_id: f"{type(exc).__name__}: {exc}" for r in so.requests})
 
+    # ---- utilities (EngineCoreClient.call_utility) -------------------------------------------------
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_used_blocks=self.block_pool.num_used_blocks, num_total_blocks=self.num_blocks,
             kv_cache_usage=self.block_pool.usage,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.scheduler.total_generated_tokens,
+            prompt_tokens_total=s.total_prompt_tokens, generation_tokens_total=s.total_generated_tokens,
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
-            num_steps=self.num_steps)
+            num_steps=self.num_steps, num_steps_ahead=self.num_steps_ahead,
+            num_step_failures=self.num_step_failures, num_aborted=self.num_aborted,
+            lm_head_usage=self.runner.head.usage())
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block not in use (vLLM's reset_prefix_cache); returns how many."""
+        return self.block_pool.reset_prefix_cache()
 
 
-def _still_unfinished(requests: list[Request], unfinished: dict[str, Request]) -> list[Request]:
-    """`requests` without the finished ones: the same list when every one is still in the scheduler's
-    table of unfinished requests (the usual case, checked with map() so the loop runs in C: a Python
-    loop over a large traced batch costs ~0.1 ms a step)."""
-    ids = map(operator.attrgetter("request_id"), requests)
-    if all(map(operator.is_, map(unfinished.get, ids), requests)):
-        return requests
-    return [r for r in requests if not r.is_finished]
+def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, chunked_prefill: bool,
+                     max_num_batched_tokens: int) -> None:
+    """ValueError naming what is wrong with a prompt's token ids for an engine with these limits."""
+    if not ids:
+        raise ValueError("prompt is empty (no tokens)")
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room for output within "
+                         f"max_model_len={max_model_len}")
+    if not chunked_prefill and len(ids) > max_num_batched_tokens:
+        raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                         f"{max_num_batched_tokens} with chunked prefill disabled")
+
+
+def _eos_token_ids(model_dir: str, tokenizer_dir: str, hf_config: Any) -> set[int]:
+    """The checkpoint's EOS ids (generation_config.json, else config.json) plus the tokenizer's eos token,
+    read from its config files: the engine core needs the ids, not a tokenizer."""
+    ids = read_eos_token_ids(model_dir, hf_config)
+    eos = _tokenizer_eos_id(tokenizer_dir)
+    if eos is not None:
+        ids.add(eos)
+    return ids
+
+
+def _tokenizer_eos_id(tokenizer_dir: str) -> int | None:
+    from pellucid.tokenizer import load_tokenizer
+    return load_tokenizer(tokenizer_dir).eos_token_id
 
 
 def _config_dtype(model_dir: str) -> torch.dtype | None:
-    import json
-    import os
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)

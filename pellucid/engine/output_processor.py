@@ -1,10 +1,17 @@
-"""Turns engine progress into RequestOutputs: detokenization, stop strings, logprobs, n > 1 fan-in.
+"""The frontend's per-token work: engine outputs (token ids, raw logprobs) in, RequestOutputs out.
 
-Two output modes per request, as in vLLM: a streaming request gets a cumulative RequestOutput every step
-it progresses (AsyncLLM, the server); a final-only request (LLM.generate) gets one when it finishes.
-A final-only request without stop strings is not detokenized incrementally at all: its text is decoded
-once when it finishes (`_final_text`). So the per-step host work of a large offline batch is only the
-token bookkeeping, not O(batch) Python objects and tokenizer calls.
+Detokenization, stop strings, logprob formatting and n > 1 fan-in happen here, in the frontend's
+process, so the engine core never spends its time on text. Two output modes per request, as in vLLM:
+a streaming request gets a cumulative RequestOutput every time it progresses (AsyncLLM, the server); a
+final-only request (LLM.generate) gets one when it finishes. A final-only request without stop strings
+or logprobs is reported by the engine only when it ends, and its text is decoded once then, so a large
+offline batch costs no per-step work here.
+
+A stop string is found here, after the engine sampled the token that completes it; `process` returns
+such sequences so the caller tells the engine to end them (FinishRequests "stop"). An engine in another
+process may have sampled a few more tokens meanwhile: they are dropped here, and a request whose
+features publish outputs at its end (saves) waits for the engine's final output, cut to where the
+stop string ended it.
 """
 from __future__ import annotations
 
@@ -14,28 +21,31 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from pellucid.engine.request import Request, RequestStatus
+from pellucid.engine.features import get_feature
+from pellucid.engine.messages import EngineCoreOutput, LogprobEntry
 from pellucid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from pellucid.runner.output import ModelRunnerOutput
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import IncrementalDetokenizer
-
-# request.extras key whose dict (saves, save_positions, trace_error, ...) becomes RequestOutput.extras.
-FEATURE_OUTPUTS_KEY = "outputs"
-
-# `status not in _UNFINISHED` instead of `request.is_finished`: the enum property (and an enum's Python-level
-# __hash__ in a set) costs several times more than identity tests, and this runs for every request every step.
-_UNFINISHED = tuple(s for s in RequestStatus if not s.finished)
 
 
 @dataclass
 class SequenceState:
-    request: Request
+    child_id: str
     index: int
-    detok: IncrementalDetokenizer | None   # None when no text is needed before the request finishes
-    text: str = ""                      # final text (stop strings trimmed) once finished
+    detok: IncrementalDetokenizer | None   # None when no text is needed before the sequence finishes
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
+    text: str = ""                       # final text (stop strings trimmed) once a stop string ended it
     stop_string: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    extras: dict[str, Any] | None = None
+    awaiting_engine: bool = False        # ended here by a stop string; its feature outputs are still to come
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None and not self.awaiting_engine
 
 
 @dataclass
@@ -45,89 +55,123 @@ class ParentState:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[SequenceState]
+    stream: bool = True                  # False: report only when every sequence finished
+    feature_keys: tuple[str, ...] = ()   # request features whose outputs come with the final output
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    error: str | None = None
-    stream: bool = True                 # False: report only when every sequence finished
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StopFound:
+    """A sequence a stop string ended after `num_output_tokens` tokens: the engine must end it there."""
+
+    child_id: str
+    num_output_tokens: int
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
-        self.child_to_parent: dict[str, tuple[ParentState, SequenceState]] = {}
-        # Children that need work on every new token (incremental text, logprobs); the rest need none.
-        self._per_token: dict[str, tuple[ParentState, SequenceState]] = {}
-        self._streaming_children: set[str] = set()
+        self.children: dict[str, tuple[ParentState, SequenceState]] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            children: list[Request], stream: bool = True) -> None:
+            child_ids: list[str], stream: bool, feature_keys: tuple[str, ...] = ()) -> None:
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
         # Stop strings are searched in the decoded text, so they need it incrementally in either mode.
         incremental = params.detokenize and (stream or bool(params.stop_strings))
-        seqs = [SequenceState(req, i, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                              if incremental else None,
-                              logprobs=[] if params.logprobs is not None else None)
-                for i, req in enumerate(children)]
-        parent = ParentState(request_id, prompt, prompt_token_ids, params, seqs, stream=stream)
+        seqs = [SequenceState(child_id, i, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                              if incremental else None, logprobs=[] if params.logprobs is not None else None)
+                for i, child_id in enumerate(child_ids)]
+        parent = ParentState(request_id, prompt, list(prompt_token_ids), params, seqs, stream, feature_keys)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         self.parents[request_id] = parent
         for seq in seqs:
-            child_id = seq.request.request_id
-            self.child_to_parent[child_id] = (parent, seq)
-            if seq.detok is not None or seq.logprobs is not None:
-                self._per_token[child_id] = (parent, seq)
-            if stream:
-                self._streaming_children.add(child_id)
+            self.children[seq.child_id] = (parent, seq)
 
-    def children_of(self, request_id: str) -> list[Request]:
+    def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
-        return [s.request for s in parent.seqs] if parent else []
+        return [s.child_id for s in parent.seqs] if parent is not None else []
 
-    # ---- per step -------------------------------------------------------------------------------
-    def process_tokens(self, changed: list[Request], ro: ModelRunnerOutput) -> list[str]:
-        """Detokenize new tokens and record logprobs; return child ids that completed a stop string."""
-        stopped = []
-        for rid, (first_pos, entries) in ro.prompt_logprobs.items():
-            if rid in self.child_to_parent:
-                parent, _ = self.child_to_parent[rid]
-                if parent.prompt_logprobs is not None:
-                    for j, entry in enumerate(entries):
-                        parent.prompt_logprobs[first_pos + j] = self._position_logprobs(entry)
-        per_token = self._per_token
-        if not per_token:
-            return stopped
-        sampled = ro.sampled_token_ids
-        logprobs = ro.logprobs
-        for req in changed:
-            rid = req.request_id
-            entry = per_token.get(rid)
-            if entry is None or rid not in sampled:
-                continue
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    # ---- per engine step ---------------------------------------------------------------------------
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[StopFound]]:
+        """Apply one engine report; returns the RequestOutputs to deliver (cumulative snapshots for streaming
+        requests, final ones for the others) and the sequences stop strings ended."""
+        touched: dict[str, ParentState] = {}
+        stops: list[StopFound] = []
+        children = self.children
+        for out in outputs:
+            entry = children.get(out.request_id)
+            if entry is None:
+                continue        # ended and reported already (tokens sampled past a stop string, say)
             parent, seq = entry
-            if seq.logprobs is not None and rid in logprobs:
-                seq.logprobs.append(self._position_logprobs(logprobs[rid]))
-            detok = seq.detok
-            if detok is None:
+            if seq.awaiting_engine:
+                if out.finish_reason is not None:
+                    self._take_extras(parent, seq, out)
+                    seq.awaiting_engine = False
+                    touched[parent.request_id] = parent
                 continue
-            token = req.output_token_ids[-1]
-            params = parent.params
-            finished = req.status not in _UNFINISHED
-            if finished and req.stop_reason == token and not params.include_stop_str_in_output:
+            if seq.finish_reason is not None:
+                continue
+            if out.new_token_ids and parent.first_token_time is None:
+                parent.first_token_time = time.monotonic()
+            parent.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                first, entries = out.prompt_logprobs
+                for j, lp in enumerate(entries):
+                    parent.prompt_logprobs[first + j] = self._position_logprobs(lp)
+            stop = self._add_tokens(parent, seq, out)
+            if stop is not None:
+                stops.append(stop)
+            elif out.finish_reason is not None:
+                seq.finish_reason = out.finish_reason
+                seq.stop_reason = out.stop_reason
+                seq.error = out.error
+                self._take_extras(parent, seq, out)
+            if parent.stream or seq.finish_reason is not None:
+                touched[parent.request_id] = parent
+        return self._outputs(touched), stops
+
+    def _add_tokens(self, parent: ParentState, seq: SequenceState, out: EngineCoreOutput) -> StopFound | None:
+        """Append the output's tokens; a StopFound if a stop string completed among them (the sequence then
+        ends there, and what follows is dropped)."""
+        new = out.new_token_ids
+        if seq.logprobs is not None and out.new_logprobs:
+            seq.logprobs.extend(self._position_logprobs(lp) for lp in out.new_logprobs)
+        detok = seq.detok
+        params = parent.params
+        if detok is None or not new:
+            seq.token_ids.extend(new)
+            return None
+        last = len(new) - 1
+        for i, token in enumerate(new):
+            seq.token_ids.append(token)
+            final_token = out.finish_reason is not None and i == last
+            if final_token and out.stop_reason == token and not params.include_stop_str_in_output:
                 continue   # a stop token id ends the text without showing
-            if params.stop_strings and not finished:
-                text_before = len(detok.text)
-                detok.add(token)
-                if self._find_stop_string(params, seq, text_before):
-                    stopped.append(rid)
-            else:
-                detok.add(token)
-        return stopped
+            text_before = len(detok.text)
+            detok.add(token)
+            if params.stop_strings and not final_token and self._find_stop_string(params, seq, text_before):
+                # The tokens after this one are dropped: they were never appended.
+                if seq.logprobs is not None:
+                    del seq.logprobs[len(seq.token_ids):]
+                seq.finish_reason = "stop"
+                seq.stop_reason = seq.stop_string
+                seq.awaiting_engine = bool(parent.feature_keys)
+                return StopFound(seq.child_id, len(seq.token_ids))
+        return None
 
     def _find_stop_string(self, params: SamplingParams, seq: SequenceState, text_before: int) -> bool:
         assert seq.detok is not None
         text = seq.detok.text
-        if not params.stop_strings or len(seq.request.output_token_ids) < params.min_tokens:
+        if len(seq.token_ids) < params.min_tokens:
             return False
         longest = max(len(s) for s in params.stop_strings)
         # Only a stop string ending in the newly decoded text can be new.
@@ -144,28 +188,29 @@ class OutputProcessor:
         seq.stop_string = s
         return True
 
-    def _position_logprobs(self, entry: tuple[list[int], list[float], int]) -> PositionLogprobs:
+    def _take_extras(self, parent: ParentState, seq: SequenceState, out: EngineCoreOutput) -> None:
+        extras = out.extras or None
+        if extras and seq.stop_string is not None:
+            # The engine may have computed past the stop string: cut every feature's outputs there.
+            for key in parent.feature_keys:
+                get_feature(key).trim_outputs(extras, len(parent.prompt_token_ids) + len(seq.token_ids))
+        seq.extras = extras
+
+    def _position_logprobs(self, entry: LogprobEntry) -> PositionLogprobs:
         ids, lps, rank = entry
         out: PositionLogprobs = {}
         for j, (tid, lp) in enumerate(zip(ids, lps)):
             if tid in out:
                 continue
-            out[tid] = Logprob(logprob=lp, rank=rank if j == 0 else j,
-                               decoded_token=self.tokenizer.decode([tid]))
+            out[tid] = Logprob(logprob=lp, rank=rank if j == 0 else j, decoded_token=self.tokenizer.decode([tid]))
         return out
 
-    # ---- outputs --------------------------------------------------------------------------------
-    def make_outputs(self, request_ids: set[str]) -> list[RequestOutput]:
-        """Cumulative outputs for the given parents; finished parents are forgotten afterwards."""
+    # ---- outputs ---------------------------------------------------------------------------------
+    def _outputs(self, touched: dict[str, ParentState]) -> list[RequestOutput]:
+        """Cumulative outputs of the touched parents; finished parents are forgotten afterwards."""
         outputs = []
-        parents = self.parents
-        for rid in request_ids:
-            parent = parents.get(rid)
-            if parent is None:
-                continue
-            seqs = parent.seqs
-            finished = seqs[0].request.status not in _UNFINISHED if len(seqs) == 1 \
-                else all(s.request.status not in _UNFINISHED for s in seqs)
+        for parent in touched.values():
+            finished = all(seq.finished for seq in parent.seqs)
             if not (finished or parent.stream):
                 continue
             outputs.append(self._output(parent, finished))
@@ -173,62 +218,47 @@ class OutputProcessor:
                 self._forget(parent)
         return outputs
 
-    def parents_of(self, child_ids: list[str]) -> set[str]:
-        return {self.child_to_parent[c][0].request_id for c in child_ids if c in self.child_to_parent}
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """The engine is gone: every unfinished request ends with `error` (its final output)."""
+        outputs = []
+        for parent in list(self.parents.values()):
+            for seq in parent.seqs:
+                if not seq.finished:
+                    seq.finish_reason, seq.error, seq.awaiting_engine = "error", error, False
+            outputs.append(self._output(parent, True))
+            self._forget(parent)
+        return outputs
 
-    def parents_to_report(self, changed: list[Request]) -> set[str]:
-        """Parents with news for the caller this step: streaming ones that progressed, and every one with
-        a sequence that finished (make_outputs holds a final-only parent back until all its sequences are)."""
-        streaming = self._streaming_children
-        child_to_parent = self.child_to_parent
-        touched = set()
-        running = RequestStatus.RUNNING   # a changed request is running or finished; `is` is cheaper than .finished
-        if not streaming:
-            changed = [req for req in changed if req.status is not running]   # final-only: just the finished
-        for req in changed:
-            rid = req.request_id
-            if rid in streaming or req.status is not running:
-                entry = child_to_parent.get(rid)
-                if entry is not None:
-                    touched.add(entry[0].request_id)
-        return touched
+    def forget(self, request_id: str) -> None:
+        """Drop a request nobody listens to any more (its reader left); the engine is told separately."""
+        parent = self.parents.get(request_id)
+        if parent is not None:
+            self._forget(parent)
 
     def _output(self, parent: ParentState, finished: bool) -> RequestOutput:
         seqs = parent.seqs
-        first = seqs[0].request
-        if len(seqs) == 1:
-            completions = [self._completion(parent, seqs[0], finished)]
-            error = first.error
-        else:
-            completions = [self._completion(parent, seq, finished) for seq in seqs]
-            error = next((s.request.error for s in seqs if s.request.error), None)
-        metrics = {"arrival_time": first.arrival_time}
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
-        if finished:
-            extras = _take_feature_outputs(seqs)
-        else:
-            # A snapshot: the request keeps its feature outputs until its final output takes them.
-            feature_outputs = first.extras.get(FEATURE_OUTPUTS_KEY) if first.extras else None
-            extras = dict(feature_outputs) if feature_outputs else {}
+        completions = [self._completion(parent, seq) for seq in seqs]
+        error = next((s.error for s in seqs if s.error), None)
+        metrics = {"arrival_time": parent.arrival_time}
+        if parent.first_token_time is not None:
+            metrics["first_token_time"] = parent.first_token_time
+        extras = (seqs[0].extras or {}) if finished else {}
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
-            num_cached_tokens=max(first.num_cached_tokens, 0), error=error,
-            metrics=metrics, extras=extras)
+            num_cached_tokens=parent.num_cached_tokens, error=error, metrics=metrics, extras=extras)
 
-    def _completion(self, parent: ParentState, seq: SequenceState, all_finished: bool) -> CompletionOutput:
-        req = seq.request
+    def _completion(self, parent: ParentState, seq: SequenceState) -> CompletionOutput:
         params = parent.params
-        finished = all_finished or req.status not in _UNFINISHED
+        finished = seq.finish_reason is not None
         if not params.detokenize:
             text = ""
         elif seq.stop_string is not None:
             text = seq.text
         elif finished:
-            text = self._final_text(params, req)
+            text = self._final_text(params, seq)
         elif seq.detok is None:
-            raise RuntimeError(f"request {req.request_id!r} has no incremental text: it is final-only and "
+            raise RuntimeError(f"request {seq.child_id!r} has no incremental text: it is final-only and "
                                "unfinished, so it must not be reported yet")
         elif params.stop_strings and not params.include_stop_str_in_output:
             # Hold back a possible partial stop string so streamed text never has to be retracted.
@@ -236,32 +266,20 @@ class OutputProcessor:
             text = seq.detok.text[:len(seq.detok.text) - hold] if hold else seq.detok.text
         else:
             text = seq.detok.text
-        stop_reason = seq.stop_string if seq.stop_string is not None else req.stop_reason
-        # A copy: outputs are cumulative snapshots, and the request keeps appending to its own list.
-        return CompletionOutput(index=seq.index, text=text, token_ids=req.output_token_ids.copy(),
-                                logprobs=seq.logprobs, finish_reason=req.status.value if finished else None,
-                                stop_reason=stop_reason)
+        # A copy: outputs are cumulative snapshots, and the sequence keeps appending to its own lists.
+        return CompletionOutput(index=seq.index, text=text, token_ids=seq.token_ids.copy(),
+                                logprobs=seq.logprobs.copy() if seq.logprobs is not None else None,
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
-    def _final_text(self, params: SamplingParams, req: Request) -> str:
+    def _final_text(self, params: SamplingParams, seq: SequenceState) -> str:
         """Decode the whole output once at the end, so bytes of an unfinished UTF-8 character at the
         very end show as the tokenizer's replacement text instead of being held back forever."""
-        ids = req.output_token_ids
-        if ids and req.stop_reason == ids[-1] and not params.include_stop_str_in_output:
+        ids = seq.token_ids
+        if ids and seq.stop_reason == ids[-1] and not params.include_stop_str_in_output:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
     def _forget(self, parent: ParentState) -> None:
         self.parents.pop(parent.request_id, None)
         for seq in parent.seqs:
-            child_id = seq.request.request_id
-            self.child_to_parent.pop(child_id, None)
-            self._per_token.pop(child_id, None)
-            self._streaming_children.discard(child_id)
-
-
-def _take_feature_outputs(seqs: list[SequenceState]) -> dict[str, Any]:
-    """The first sequence's feature outputs, taken out of every sequence's request: the final RequestOutput
-    becomes their only owner. Finished requests stay referenced by engine internals until later steps
-    (persistent batch rows, the last step's trace); saves left in them would outlive the user's outputs."""
-    taken = [s.request.extras.pop(FEATURE_OUTPUTS_KEY, None) if s.request.extras else None for s in seqs]
-    return taken[0] if taken[0] else {}
+            self.children.pop(seq.child_id, None)

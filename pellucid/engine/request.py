@@ -15,7 +15,7 @@ CACHE_SALT_KEY = "cache_salt"
 
 # request.extras keys whose feature works on steps launched ahead of the previous step's readback
 # (Request.can_step_ahead); a feature registers its key when it keeps all per-step state on the device.
-_STEP_AHEAD_EXTRAS_KEYS: set[str] = {CACHE_SALT_KEY}
+_STEP_AHEAD_EXTRAS_KEYS: set[str] = set()
 
 
 def allow_step_ahead_for_extras_key(key: str) -> None:
@@ -80,6 +80,11 @@ class Request:
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed)
         self.extras: dict[str, Any] = {}     # per-feature state (trace plan, extraction spec, ...)
+        # What features publish when the request finishes (saves, ...): the final output takes them over.
+        self.feature_outputs: dict[str, Any] | None = None
+        # Report every step it progresses (True) or only when it finishes (see EngineCoreRequest.stream).
+        self.stream_outputs = True
+        self.num_reported_tokens = 0         # output tokens already reported to the frontend
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
 
@@ -118,6 +123,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Forget output tokens past the first `num_output_tokens` (the frontend ended the request there,
+        while later steps had already sampled more)."""
+        extra = len(self.output_token_ids) - num_output_tokens
+        if extra > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - extra:]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "

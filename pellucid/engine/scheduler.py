@@ -66,7 +66,7 @@ class Scheduler:
         self._order: dict[str, tuple[float, int]] = {}
         self._arrivals = itertools.count()
         self._finished_ids: set[str] = set()        # freed since the last schedule(), for the runner
-        self._finished_unreported: list[str] = []   # ended by the scheduler itself, for the engine
+        self._finished_unreported: list[Request] = []   # ended by the scheduler itself, for the engine
         self.ahead_blocked = False    # the last step scheduled ahead ran out of KV blocks (see module doc)
 
         # Counters for tests and metrics.
@@ -315,16 +315,16 @@ class Scheduler:
             if request is not None:
                 self._finish(request, status)
 
-    def drain_finished_unreported(self) -> list[str]:
-        """Ids of requests the scheduler ended by itself (they never fit the KV cache) since the last
-        call; the engine reports them, since no runner output mentions them."""
-        ids, self._finished_unreported = self._finished_unreported, []
-        return ids
+    def drain_finished_unreported(self) -> list[Request]:
+        """Requests the scheduler ended by itself (they never fit the KV cache) since the last call; the
+        engine reports them, since no runner output mentions them."""
+        requests, self._finished_unreported = self._finished_unreported, []
+        return requests
 
     def _finish_unscheduled(self, request: Request, error: str) -> None:
         logger.error("request %s cannot run: %s", request.request_id, error)
         self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
-        self._finished_unreported.append(request.request_id)
+        self._finished_unreported.append(request)
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         rid = request.request_id

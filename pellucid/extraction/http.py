@@ -77,7 +77,7 @@ class ServerExtraction:
                              f"model); use save ops in interventions instead")
         if "layers" not in value:
             raise ValueError(f"{FIELD} needs 'layers' (decoder-layer indices, -1 for the final normed output)")
-        spec = ExtractionSpec.resolve(value["layers"], int(self.llm.hf_config.num_hidden_layers))
+        spec = ExtractionSpec.resolve(value["layers"], self.llm.info.num_hidden_layers)
         return ExtractionRequest(spec, output)
 
     async def extract(self, request: ExtractionRequest, prompt_ids: list[int], completion_ids: list[int],
@@ -108,10 +108,9 @@ class ServerExtraction:
         with self._lock:
             writer = self._writers.get(spec.layers)
             if writer is None:
-                llm = self.llm
+                engine = self.llm.info
                 subdir = os.path.join(self.extract_dir, "layers_" + "_".join(str(layer) for layer in spec.layers))
-                info = job_info(llm.model_name, llm.config.model.model, llm.engine_info()["dtype"], spec,
-                                int(llm.hf_config.hidden_size), None)
+                info = job_info(engine.model_name, engine.model, engine.dtype, spec, engine.hidden_size, None)
                 info["generate"] = "per-request (server)"
                 writer = DatasetWriter(subdir, info, shard_size=1, background=False)
                 self._writers[spec.layers] = writer

@@ -208,13 +208,14 @@ class ExtractionJob:
 
 
 def _make_job(data: Any, layers: Any, output_dir: str, generate: SamplingParams | None, shard_size: int,
-              skip_invalid: bool, tokenizer: Any, hf_config: Any, model_name: str, model_dir: str, dtype: str,
-              max_model_len: int, vocab_size: int) -> ExtractionJob:
-    spec = ExtractionSpec.resolve(layers, int(hf_config.num_hidden_layers))
-    writer = DatasetWriter(output_dir, job_info(model_name, model_dir, dtype, spec, int(hf_config.hidden_size), generate),
-                           shard_size)
+              skip_invalid: bool, tokenizer: Any, info: Any) -> ExtractionJob:
+    """A job for an engine described by `info` (EngineInfo)."""
+    spec = ExtractionSpec.resolve(layers, info.num_hidden_layers)
+    writer = DatasetWriter(output_dir, job_info(info.model_name, info.model, info.dtype, spec, info.hidden_size,
+                                                generate), shard_size)
     try:
-        return ExtractionJob(data, spec, writer, tokenizer, max_model_len, vocab_size, generate, skip_invalid)
+        return ExtractionJob(data, spec, writer, tokenizer, info.max_model_len, info.vocab_size, generate,
+                             skip_invalid)
     except BaseException:
         writer.close()
         raise
@@ -260,12 +261,10 @@ def extract_hidden_states(llm: Any, data: Any, layers: Any, output_dir: str, gen
                           shard_size: int = 1, progress: bool = True, skip_invalid: bool = False,
                           max_in_flight: int | None = None) -> ExtractionSummary:
     """Run an extraction job on an `LLM` (see the module doc and docs/extraction.md)."""
-    engine = llm.engine
-    job = _make_job(data, layers, output_dir, generate, shard_size, skip_invalid, engine.tokenizer, engine.hf_config,
-                    engine.model_name, engine.config.model.model, str(engine.dtype).removeprefix("torch."),
-                    engine.max_model_len, engine.runner.head.vocab_size)
+    info = llm.info
+    job = _make_job(data, layers, output_dir, generate, shard_size, skip_invalid, llm.tokenizer, info)
     # Twice the batch size: the scheduler always has waiting requests to fill a freed slot with.
-    limit = max_in_flight or 2 * engine.config.scheduler.max_num_seqs
+    limit = max_in_flight or 2 * info.max_num_seqs
     started = time.monotonic()
     bar = _Progress(data, progress)
     failure: BaseException | None = None
@@ -275,25 +274,25 @@ def extract_hidden_states(llm: Any, data: Any, layers: Any, output_dir: str, gen
                 work = job.next_work()
                 if work is None:
                     break
-                _add_sync(engine, job, work)
+                _add_sync(llm, job, work)
             if job.done:
                 break
             if not job.in_flight:
                 continue
-            for output in engine.step():
+            for output in llm.step():
                 if not output.finished or not job.owns(output.request_id):
                     continue
                 result = job.on_finished(output)
                 if isinstance(result, EngineWork):
-                    _add_sync(engine, job, result)
+                    _add_sync(llm, job, result)
                 else:
                     job.write(result)
                     bar.update(job)
-            if job.in_flight and not engine.has_unfinished_requests():
+            if job.in_flight and not llm.has_unfinished_requests():
                 raise RuntimeError(f"the engine went idle with {len(job.in_flight)} extraction requests unfinished")
     except BaseException as exc:
         failure = exc
-        _abort_sync(engine, job)
+        _abort_sync(llm, job)
         raise
     finally:
         bar.close()
@@ -305,23 +304,23 @@ def extract_hidden_states(llm: Any, data: Any, layers: Any, output_dir: str, gen
     return summary
 
 
-def _add_sync(engine: Any, job: ExtractionJob, work: EngineWork) -> None:
+def _add_sync(llm: Any, job: ExtractionJob, work: EngineWork) -> None:
     try:
-        engine.add_request(work.request_id, work.token_ids, work.params, work.extras, stream=False)
+        llm.add_request(work.request_id, work.token_ids, work.params, work.extras)
     except ValueError as exc:
         job.rejected(work, str(exc))
 
 
-def _abort_sync(engine: Any, job: ExtractionJob) -> None:
+def _abort_sync(llm: Any, job: ExtractionJob) -> None:
     """Abort the job's requests so the engine stays usable after a failed job."""
-    for request_id in list(job.in_flight):
-        engine.abort_request(request_id)
-    pending = set(job.in_flight)
-    job.in_flight.clear()
-    while pending and engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                pending.discard(output.request_id)
+    try:
+        for request_id in job.in_flight:
+            llm.abort_request(request_id)
+        job.in_flight.clear()
+        while llm.has_unfinished_requests():    # the aborted requests' final reports
+            llm.step()
+    except Exception:       # the engine is gone too: the job's own error is the one to report
+        logger.exception("aborting the extraction's requests failed")
 
 
 async def extract_hidden_states_async(async_llm: Any, data: Any, layers: Any, output_dir: str,
@@ -331,11 +330,9 @@ async def extract_hidden_states_async(async_llm: Any, data: Any, layers: Any, ou
     """The same job over an `AsyncLLM`, concurrently with whatever else it serves."""
     from pellucid.engine.async_llm import RequestFailedError
 
-    core = async_llm._core
     job = _make_job(data, layers, output_dir, generate, shard_size, skip_invalid, async_llm.tokenizer,
-                    async_llm.hf_config, async_llm.model_name, async_llm.config.model.model,
-                    async_llm.engine_info()["dtype"], async_llm.max_model_len, core.runner.head.vocab_size)
-    limit = max_in_flight or 2 * async_llm.config.scheduler.max_num_seqs
+                    async_llm.info)
+    limit = max_in_flight or 2 * async_llm.info.max_num_seqs
     started = time.monotonic()
     bar = _Progress(data, progress)
 

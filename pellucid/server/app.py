@@ -85,10 +85,8 @@ class OpenAIServer:
         self.api_key = api_key
         self.tokenizer = llm.tokenizer
         self.metrics = ServerMetrics(served_model_name)
-        # ---- LM head visibility (begin) ----
-        self.lm_head = llm_lm_head(llm)
-        self.metrics.set_lm_head(self.lm_head.describe())
-        # ---- LM head visibility (end) ----
+        self.lm_head = llm.info.lm_head          # the head's describe(); its row counters come with the stats
+        self.metrics.set_lm_head(self.lm_head)
         self.extraction = ServerExtraction(llm, extract_dir)   # the extract_hidden_states field
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -117,9 +115,6 @@ class OpenAIServer:
 
     def trace_extras(self, body: Any) -> dict[str, Any] | None:
         """Engine extras for the request's `interventions` (pellucid/tracing/http.py); None without them."""
-        if body.interventions is not None and body.stream:
-            raise ProtocolError("interventions are not supported with stream=true (saves come with the final "
-                                "response); send a non-streaming request", param="interventions")
         try:
             return trace_extras(body.interventions, body.n)
         except ValueError as exc:
@@ -325,7 +320,13 @@ class OpenAIServer:
             async with contextlib.aclosing(self.merged(streams, timer, tracker)) as outputs:
                 async for index, output in outputs:
                     choices = [choice(delta) for delta in tracker.update(index, output)]
-                    if choices:
+                    if not choices:
+                        continue
+                    if output.finished and output.extras.get("saves") is not None:
+                        # A traced request's saves ride on its last chunk (interventions need n=1, so the
+                        # choice index is the prompt index).
+                        yield _sse(with_saves(chunk(choices).model_dump(), {index: output}))
+                    else:
                         yield _sse(chunk(choices))
             if include_usage:
                 final = chunk([])
@@ -416,19 +417,14 @@ class OpenAIServer:
     async def models(self) -> Response:
         card = ModelCard(id=self.model_name, root=self.llm.config.model.model, max_model_len=self.llm.max_model_len)
         listing = ModelList(data=[card]).model_dump()
-        listing["data"][0]["pellucid"] = {"lm_head": self.lm_head.describe()}   # which head serves this model
+        listing["data"][0]["pellucid"] = {"lm_head": self.lm_head}   # which head serves this model
         return JSONResponse(listing)
 
     async def metrics_text(self) -> Response:
-        self.metrics.update_from_stats(self.llm.get_stats())
-        self.metrics.update_lm_head_usage(self.lm_head.usage())
+        stats = self.llm.get_stats()
+        self.metrics.update_from_stats(stats)
+        self.metrics.update_lm_head_usage(stats.lm_head_usage)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-def llm_lm_head(llm: AsyncLLM) -> Any:
-    """The engine's LM head object (for /metrics and /v1/models). AsyncLLM exposes only its describe()
-    through engine_info(); the row counters need the object itself."""
-    return llm._core.runner.head
 
 
 def _guarded(server: OpenAIServer, handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:

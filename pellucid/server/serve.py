@@ -44,6 +44,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_server(args: argparse.Namespace) -> int:
     from pellucid.engine.async_llm import AsyncLLM
+    from pellucid.engine.core_client import EngineStartupError
     from pellucid.server.app import build_app
 
     model = args.model
@@ -52,7 +53,11 @@ def run_server(args: argparse.Namespace) -> int:
         model = ensure_default_model()
         logger.warning("serving the embedded default model: RANDOM WEIGHTS, NOT TRAINED - its text is gibberish")
     served_name = args.served_model_name or args.model
-    llm = AsyncLLM(model, served_model_name=served_name, **engine_kwargs_from_args(args))
+    try:
+        llm = AsyncLLM(model, served_model_name=served_name, **engine_kwargs_from_args(args))
+    except EngineStartupError as exc:
+        logger.error("%s", exc)
+        return 1
     try:
         log_banner(llm, args)
         app = build_app(llm, served_name, api_key=args.api_key, log_stats_interval=args.log_stats_interval,
@@ -60,12 +65,18 @@ def run_server(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout)
         server = _GracefulServer(config)
+        # An engine that dies has already failed its requests; the server stops taking new ones and exits
+        # non-zero (a supervisor restarts it) instead of answering 503 forever.
+        llm.on_engine_dead(server.engine_died)
         server.run()
     finally:
         # Whatever uvicorn left running is aborted here, so every KV block is returned before exit.
         llm.shutdown()
     if not server.started:
         logger.error("the server did not start (see the error above)")
+        return 1
+    if server.engine_death is not None:
+        logger.error("server stopped: the engine core died (%s)", server.engine_death)
         return 1
     logger.info("server stopped")
     return 0
@@ -76,7 +87,8 @@ def log_banner(llm: Any, args: argparse.Namespace) -> None:
     features = ", ".join(f"{name}={value}" for name, value in info["features"].items())
     logger.info("Pellucid %s serving %r (from %s) on http://%s:%d", info["version"], llm.model_name,
                 llm.config.model.model, args.host, args.port)
-    logger.info("model: dtype=%s device=%s max_model_len=%d", info["dtype"], info["device"], llm.max_model_len)
+    logger.info("model: dtype=%s device=%s max_model_len=%d; engine core in process %d", info["dtype"],
+                info["device"], llm.max_model_len, info["engine_pid"])
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", info["num_blocks"], info["block_size"],
                 info["num_blocks"] * info["block_size"])
     logger.info("features: %s; API key %s", features, "required" if args.api_key else "not required")
@@ -88,6 +100,12 @@ class _GracefulServer(uvicorn.Server):
     A SIGINT/SIGTERM stops accepting connections, lets in-flight requests finish for up to the
     graceful timeout, then closes the rest (their requests are aborted) and returns normally.
     """
+
+    engine_death: str | None = None
+
+    def engine_died(self, reason: str) -> None:
+        self.engine_death = reason
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -25,7 +25,7 @@ from pellucid.outputs import RequestOutput
 from pellucid.sampling_params import SamplingParams
 from pellucid.tracing.ops import LOGITS, TOKENS, Add, Apply, MeanAblate, Op, Save, Scale, Set, Zero
 from pellucid.tracing.plan import TRACE_KEY, TracePlan
-from pellucid.tracing.sites import SiteInfo, module_paths, site_table, unknown_site_message
+from pellucid.tracing.sites import SiteTable, unknown_site_message
 
 
 class TraceError(RuntimeError):
@@ -163,13 +163,12 @@ class ModuleProxy:
 class Trace:
     """Collects ops and requests; `run` (by the context manager that made it) executes them."""
 
-    def __init__(self, model: torch.nn.Module, prompts: Any, sampling_params: Any,
-                 check_site: Callable[[str, str], Any] | None) -> None:
+    def __init__(self, table: SiteTable, prompts: Any, sampling_params: Any) -> None:
         from pellucid.llm import normalize_prompts
 
         self._normalize = normalize_prompts
-        self._paths = module_paths(model)
-        self._check_site = check_site
+        self._paths = table.module_paths()
+        self._check_site = table.get
         self._prompts: list[Any] = normalize_prompts(prompts) if prompts is not None else []
         if sampling_params is None:
             sampling_params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -249,11 +248,10 @@ class Trace:
         return [p for p in self._paths if p.startswith(prefix) and "." not in p[len(prefix):]]
 
     def _point(self, site: str, point: str) -> Point:
-        if self._check_site is not None:
-            try:
-                self._check_site("logits" if site == "lm_head" and point == "output" else site, point)
-            except ValueError as exc:
-                raise UnknownSiteError(str(exc)) from None
+        try:
+            self._check_site("logits" if site == "lm_head" and point == "output" else site, point)
+        except ValueError as exc:
+            raise UnknownSiteError(str(exc)) from None
         return Point(self, site, point)
 
     def _add(self, op: Op) -> None:
@@ -305,17 +303,10 @@ class Trace:
             raise TraceError(failures, outputs)
 
 
-def sites(runner: Any) -> list[SiteInfo]:
-    """Every traceable site of the runner's model with its per-token shape."""
-    return list(site_table(runner).sites.values())
-
-
 @contextlib.contextmanager
 def trace(llm: Any, prompts: Any = None, sampling_params: Any = None) -> Iterator[Trace]:
     """`llm.trace(...)`: build ops in the block; on leaving it, run every request through the engine."""
-    runner = llm.engine.runner
-    table = site_table(runner)
-    tr = Trace(runner.model, prompts, sampling_params, table.get)
+    tr = Trace(llm.info.site_table, prompts, sampling_params)
     yield tr
     prompts_list, params, extras = tr._requests()
     outputs = llm.generate(prompts_list, params, use_tqdm=False, extras=extras)
@@ -328,9 +319,7 @@ class async_trace:
 
     def __init__(self, async_llm: Any, prompts: Any = None, sampling_params: Any = None) -> None:
         self._llm = async_llm
-        # Sites are checked by name here and fully by the engine when the requests are added (the
-        # probe forward must run on the engine's thread).
-        self._trace = Trace(async_llm.model, prompts, sampling_params, None)
+        self._trace = Trace(async_llm.info.site_table, prompts, sampling_params)
 
     async def __aenter__(self) -> Trace:
         return self._trace

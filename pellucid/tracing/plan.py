@@ -1,9 +1,8 @@
 """A request's trace: its ops and, once bound to a request, the saves it accumulates and its error.
 
-The engine calls `prepare_traced_request` when a request is added (validates the ops against the
-model's sites, binds a fresh plan to the request, sets its prefix-cache policy) and
-`finish_traced_requests` when requests end (stacks the saves into `request.extras["outputs"]`, which
-the output processor moves into the final `RequestOutput.extras`: the output is then their only owner).
+The tracing request feature (feature.py) binds a fresh plan to each traced request when it is added
+and finalizes the plans of requests that end (their saves become the final `RequestOutput.extras`,
+whose only owner the output then is).
 """
 from __future__ import annotations
 
@@ -16,23 +15,14 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from pellucid.engine.output_processor import FEATURE_OUTPUTS_KEY
-from pellucid.engine.request import RequestStatus, allow_step_ahead_for_extras_key
 from pellucid.logger import get_logger
 from pellucid.tracing.ops import LOGITS, TOKENS, Op, Save, ops_from_json
 from pellucid.tracing.save_log import SaveLog
-from pellucid.tracing.sites import SiteInfo, site_table
+from pellucid.tracing.sites import SiteInfo
 
 logger = get_logger(__name__)
 
 TRACE_KEY = "trace"         # request.extras key holding the TracePlan
-OUTPUTS_KEY = FEATURE_OUTPUTS_KEY    # request.extras key the final RequestOutput.extras takes over
-# Ops, saves and recorded tokens live on the device per step, and a request's saves are cut at its
-# end (`_trim_rows`), so traced requests work on steps launched ahead of the previous readback.
-allow_step_ahead_for_extras_key(TRACE_KEY)
-# By id: an enum member's hash is computed in Python, an int's in C (enum members are singletons).
-_FINISHED_STATUS_IDS = frozenset(id(status) for status in RequestStatus if status.finished)
-_STATUS = operator.attrgetter("status")
 
 
 class TraceFailure(Exception):
@@ -477,50 +467,3 @@ def _save_names(ops: list[Op]) -> dict[int, str]:
         used.add(name)
         names[i] = name
     return names
-
-
-# ---- engine integration ---------------------------------------------------------------------------
-def prepare_traced_request(request: Any, num_samples: int, runner: Any) -> None:
-    """If the request carries a trace: validate and bind it, and set its prefix-cache policy.
-    Raises ValueError (the request is then not queued) for anything wrong with the trace."""
-    value = request.extras.get(TRACE_KEY)
-    if value is None:
-        return
-    if num_samples != 1:
-        raise ValueError(f"a traced request must have n=1 (got n={num_samples}); send n separate requests")
-    plan = TracePlan.from_extras(value)
-    if not plan.ops:
-        raise ValueError("the trace has no ops")
-    request.extras[TRACE_KEY] = plan.bind(request.num_prompt_tokens, request.max_total_tokens,
-                                          request.request_id, site_table(runner))
-    # A traced request computes every prompt position itself; an edited one's KV is not the model's.
-    request.read_prefix_cache = False
-    if plan.edits:
-        request.publish_prefix_cache = False
-
-
-def finish_traced_requests(requests: Iterable[Any]) -> None:
-    """Publish the saves (or the trace error) of traced requests that just finished, assembled together."""
-    requests = requests if isinstance(requests, list) else list(requests)
-    # This runs over every request that progressed, every step, and usually none has finished: that test
-    # runs in C (a Python loop over a large batch costs ~20 us a step).
-    if _FINISHED_STATUS_IDS.isdisjoint(map(id, map(_STATUS, requests))):
-        return
-    finishing = []
-    for request in requests:
-        if not request.is_finished:
-            continue
-        extras = request.extras
-        plan = extras.get(TRACE_KEY) if extras else None
-        if plan is None or not isinstance(plan, TracePlan) or not plan.bound or plan.finalized:
-            continue
-        if request.error is not None and not plan.failed:
-            plan.error = request.error
-        finishing.append((request, plan))
-    if not finishing:
-        return
-    # A request computes positions up to its second-to-last token (the last is never fed back). A step
-    # launched ahead of its end (async scheduling) may have recorded one more position: not kept.
-    limits = [request.num_tokens - 1 for request, _ in finishing]
-    for (request, _), result in zip(finishing, finalize_plans([plan for _, plan in finishing], limits)):
-        request.extras.setdefault(OUTPUTS_KEY, {}).update(result)

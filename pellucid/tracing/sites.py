@@ -54,6 +54,11 @@ class SiteTable:
     def check(self, op: Op) -> SiteInfo:
         return self.get(op.site, op.point)
 
+    def module_paths(self) -> set[str]:
+        """Every module path of the model (traceable or not), for checking paths as a trace is built."""
+        names = list(self.sites) + list(self.unusable)
+        return {name.rsplit(".", 1)[0] for name in names} - {LOGITS, TOKENS}
+
 
 def unknown_site_message(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)

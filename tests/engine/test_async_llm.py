@@ -1,4 +1,5 @@
-"""AsyncLLM against the offline LLM on the same tiny random model: same tokens, aborts, errors, shutdown."""
+"""AsyncLLM against the offline LLM on the same tiny random model: same tokens, aborts, errors, shutdown,
+with the engine core in its own process (the default) and in a thread of the caller's."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,14 @@ def async_llm(qwen3_dir):
     engine.shutdown()
 
 
+@pytest.fixture(scope="module")
+def threaded_llm(qwen3_dir):
+    """The engine core in a thread of this process, where tests can reach its objects."""
+    engine = AsyncLLM(qwen3_dir, engine_process=False, **ENGINE_KWARGS)
+    yield engine
+    engine.shutdown()
+
+
 def random_prompts(seed: int, count: int) -> list[str]:
     rng = random.Random(seed)
     words = ["the", "cat", "sat", "on", "a", "mat", "hello", "world", "quick", "brown", "fox", "jumps"]
@@ -51,7 +60,9 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_concurrent_generation_equals_llm_generate(llm, async_llm, seed):
+@pytest.mark.parametrize("home", ["process", "thread"])
+def test_concurrent_generation_equals_llm_generate(llm, async_llm, threaded_llm, seed, home):
+    async_llm = async_llm if home == "process" else threaded_llm
     prompts = random_prompts(seed, 8)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, top_k=20, max_tokens=10, seed=seed, n=2)
@@ -91,7 +102,7 @@ def test_requests_are_batched_together(async_llm):
 def test_leaving_the_stream_aborts_within_one_step(async_llm):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     before = async_llm.get_stats()
-    aborted_before = async_llm.num_aborted
+    aborted_before = before.num_aborted
 
     async def run() -> int:
         seen = 0
@@ -102,7 +113,7 @@ def test_leaving_the_stream_aborts_within_one_step(async_llm):
         return seen
 
     seen = asyncio.run(run())
-    wait_until(lambda: async_llm.num_aborted == aborted_before + 1)
+    wait_until(lambda: async_llm.get_stats().num_aborted == aborted_before + 1)
     wait_until(lambda: async_llm.get_stats().num_running == 0 and async_llm.get_stats().num_used_blocks == 0)
     generated = async_llm.get_stats().generation_tokens_total - before.generation_tokens_total
     # The abort is applied before the next step, so at most one token beyond what the reader saw.
@@ -143,18 +154,18 @@ def test_validation_errors_raise_before_the_first_output(async_llm):
     assert len(out.outputs[0].token_ids) >= 1
 
 
-def test_failing_step_fails_its_requests_and_keeps_serving(async_llm):
+def test_failing_step_fails_its_requests_and_keeps_serving(threaded_llm):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    with failing_step(async_llm):
+    with failing_step(threaded_llm):
         async def run():
             with pytest.raises(RequestFailedError, match="injected step failure"):
-                await final_output(async_llm, "the cat sat", params)
-            return await final_output(async_llm, "the cat sat", params)
+                await final_output(threaded_llm, "the cat sat", params)
+            return await final_output(threaded_llm, "the cat sat", params)
 
         out = asyncio.run(run())
     assert len(out.outputs[0].token_ids) == 5
-    wait_until(lambda: async_llm.get_stats().num_used_blocks == 0)
-    assert async_llm.num_step_failures >= 1
+    wait_until(lambda: threaded_llm.get_stats().num_used_blocks == 0)
+    assert threaded_llm.get_stats().num_step_failures >= 1
 
 
 def test_shutdown_ends_in_flight_requests_cleanly(qwen3_dir):
@@ -179,14 +190,16 @@ def test_shutdown_ends_in_flight_requests_cleanly(qwen3_dir):
     assert not engine.is_running
 
 
-def test_async_llm_steps_serially_unless_asked(qwen3_dir):
-    # Stepping ahead would keep the loop thread from releasing the GIL to the streaming thread (see
-    # AsyncLLM._start); an explicit async_scheduling=True is kept, and its outputs match the serial ones.
-    default = AsyncLLM(qwen3_dir, **ENGINE_KWARGS)
-    asked = AsyncLLM(qwen3_dir, async_scheduling=True, **ENGINE_KWARGS)
+def test_stepping_ahead_defaults(qwen3_dir, async_llm):
+    # An engine in a thread of the frontend's process steps serially unless asked (stepping ahead would
+    # keep it from releasing the GIL to the event loop, see ThreadedClient); an explicit
+    # async_scheduling=True is kept, and its outputs match the serial ones. An engine in its own process
+    # steps ahead by default where it pays (CUDA), not on the CPU.
+    default = AsyncLLM(qwen3_dir, engine_process=False, **ENGINE_KWARGS)
+    asked = AsyncLLM(qwen3_dir, engine_process=False, async_scheduling=True, **ENGINE_KWARGS)
     try:
-        assert default.config.scheduler.async_scheduling is False
-        assert asked.config.scheduler.async_scheduling is True
+        assert default.info.async_scheduling is False and asked.info.async_scheduling is True
+        assert async_llm.info.async_scheduling is False       # its own process, on the CPU
 
         async def run(engine: AsyncLLM) -> list[int]:
             final = None
@@ -195,8 +208,8 @@ def test_async_llm_steps_serially_unless_asked(qwen3_dir):
                 final = out
             return list(final.outputs[0].token_ids)
 
-        assert asyncio.run(run(asked)) == asyncio.run(run(default))
-        assert asked._core.num_steps_ahead > 0
+        assert asyncio.run(run(asked)) == asyncio.run(run(default)) == asyncio.run(run(async_llm))
+        assert asked.engine.num_steps_ahead > 0
     finally:
         default.shutdown()
         asked.shutdown()

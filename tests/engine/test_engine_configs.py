@@ -57,9 +57,9 @@ def test_prefix_cache_computes_only_uncached_tokens(tiny_model_factory):
     prefix = _prompts(vocab, 3, [48])[0]                     # exactly 3 full blocks
     first, second = prefix + _prompts(vocab, 4, [5])[0], prefix + _prompts(vocab, 5, [9])[0]
     _greedy(llm, [first], 4)
-    before = llm.engine.prompt_tokens_total
+    before = llm.engine.stats().prompt_tokens_total
     out = llm.generate([second], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out.num_cached_tokens == 48
-    assert llm.engine.prompt_tokens_total - before == len(second) - 48
+    assert llm.engine.stats().prompt_tokens_total - before == len(second) - 48
     fresh = LLM(model_dir, dtype="float32", device="cpu", enable_prefix_caching=False)
     assert out.outputs[0].token_ids == _greedy(fresh, [second], 4)[0]

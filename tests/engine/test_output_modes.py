@@ -12,11 +12,10 @@ def llm(tiny_model_factory) -> LLM:
 
 
 def _run(llm: LLM, prompt: str, params: SamplingParams, stream: bool, rid: str):
-    engine = llm.engine
-    engine.add_request(rid, prompt, params, stream=stream)
+    llm.add_request(rid, prompt, params, stream=stream)
     reports = []
-    while engine.has_unfinished_requests():
-        reports += [o for o in engine.step() if o.request_id == rid]
+    while llm.has_unfinished_requests():
+        reports += [o for o in llm.step() if o.request_id == rid]
     return reports
 
 

@@ -15,6 +15,7 @@ import torch
 
 from pellucid.config import EngineConfig
 from pellucid.engine.engine_core import EngineCore
+from pellucid.llm import LLM
 from pellucid.sampling_params import SamplingParams
 
 
@@ -23,10 +24,15 @@ def model_dir(tiny_model_factory) -> str:
     return tiny_model_factory("qwen3")
 
 
-def _engine(model_dir: str, async_scheduling: bool, **kwargs) -> EngineCore:
-    config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", max_model_len=256,
-                                      async_scheduling=async_scheduling, **kwargs)
-    return EngineCore(config)
+def _engine(model_dir: str, async_scheduling: bool, **kwargs) -> LLM:
+    """An LLM stepped by hand, its engine core in this thread (`llm.engine`)."""
+    return LLM(model_dir, dtype="float32", device="cpu", max_model_len=256, async_scheduling=async_scheduling,
+               **kwargs)
+
+
+def _core_requests(llm: LLM, request_id: str) -> list:
+    """The engine core's Request objects of a request just added (one per sequence)."""
+    return [llm.engine.scheduler.requests[c] for c in llm.output_processor.child_ids(request_id)]
 
 
 def _prompts(seed: int, count: int) -> list[list[int]]:
@@ -41,7 +47,7 @@ def _snapshot(out) -> tuple:
                    None if c.logprobs is None else len(c.logprobs)) for c in out.outputs))
 
 
-def _run(engine: EngineCore, requests: list[tuple[str, list[int], SamplingParams, bool]]) -> list[list[tuple]]:
+def _run(engine: LLM, requests: list[tuple[str, list[int], SamplingParams, bool]]) -> list[list[tuple]]:
     for rid, prompt, params, stream in requests:
         engine.add_request(rid, prompt, params, stream=stream)
     steps = []
@@ -75,7 +81,7 @@ def _stop_strings_from_serial(model_dir: str, seed: int) -> list[str]:
     """Stop strings that the greedy stop-string request really produces a few tokens in."""
     engine = _engine(model_dir, async_scheduling=False)
     prompt = _prompts(seed, 6)[2]
-    engine.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), stream=False)
+    engine.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     text = ""
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -109,12 +115,21 @@ def _step_ahead_requests(seed: int, stop: list[str]) -> list[tuple[str, list[int
 def test_stepping_ahead_ends_with_the_serial_outputs(model_dir, seed):
     stop = _stop_strings_from_serial(model_dir, seed)
     serial = _final_outputs(_run(_engine(model_dir, async_scheduling=False), _step_ahead_requests(seed, stop)))
-    engine = _engine(model_dir, async_scheduling=True)
-    ahead = _final_outputs(_run(engine, _step_ahead_requests(seed, stop)))
+    llm = _engine(model_dir, async_scheduling=True)
+    requests = _step_ahead_requests(seed, stop)
+    r1 = []
+    original_add = llm.add_request
+
+    def add_and_keep(rid, *args, **kwargs):
+        original_add(rid, *args, **kwargs)
+        if rid == "r1":
+            r1.extend(_core_requests(llm, rid))
+    llm.add_request = add_and_keep
+    ahead = _final_outputs(_run(llm, requests))
     assert ahead == serial
-    assert engine.num_steps_ahead > 0
-    assert engine.block_pool.num_used_blocks == 0
-    assert all(r.num_pending_tokens == 0 for r in engine.outputs.children_of("r1"))
+    assert llm.engine.num_steps_ahead > 0
+    assert llm.engine.block_pool.num_used_blocks == 0
+    assert len(r1) == 2 and all(r.num_pending_tokens == 0 for r in r1)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -124,8 +139,8 @@ def test_requests_that_cannot_step_ahead_keep_every_step_serial(model_dir, seed)
     overlapped_engine = _engine(model_dir, async_scheduling=True)
     overlapped = _run(overlapped_engine, _mixed_requests(seed, stop))
     assert overlapped == serial
-    assert overlapped_engine.num_steps_ahead == 0
-    assert overlapped_engine.block_pool.num_used_blocks == 0
+    assert overlapped_engine.engine.num_steps_ahead == 0
+    assert overlapped_engine.engine.block_pool.num_used_blocks == 0
     assert not overlapped_engine.has_unfinished_requests()
 
 
@@ -138,11 +153,11 @@ def test_preemption_under_async_scheduling_matches_serial(model_dir, seed):
     serial = _final_outputs(_run(serial_engine, requests))
     overlapped_engine = _engine(model_dir, async_scheduling=True, num_kv_blocks=12, block_size=16)
     overlapped = _final_outputs(_run(overlapped_engine, requests))
-    assert serial_engine.scheduler.num_preemptions > 0
-    assert overlapped_engine.scheduler.num_preemptions > 0
-    assert overlapped_engine.num_steps_ahead > 0
+    assert serial_engine.engine.scheduler.num_preemptions > 0
+    assert overlapped_engine.engine.scheduler.num_preemptions > 0
+    assert overlapped_engine.engine.num_steps_ahead > 0
     assert overlapped == serial
-    assert overlapped_engine.block_pool.num_used_blocks == 0
+    assert overlapped_engine.engine.block_pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("seed", [0, 5])
@@ -150,12 +165,13 @@ def test_stop_string_found_while_next_step_in_flight(model_dir, seed):
     stop = _stop_strings_from_serial(model_dir, seed)
     prompt = _prompts(seed, 6)[2]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=stop)
-    engine = _engine(model_dir, async_scheduling=True)
-    engine.add_request("s", prompt, params)
-    request = engine.outputs.children_of("s")[0]
+    llm = _engine(model_dir, async_scheduling=True)
+    engine = llm.engine
+    llm.add_request("s", prompt, params, stream=True)
+    request = _core_requests(llm, "s")[0]
     reports = []
-    while engine.has_unfinished_requests():
-        reports += engine.step()
+    while llm.has_unfinished_requests():
+        reports += llm.step()
         if reports and reports[-1].finished and engine._in_flight is not None:
             # The step launched before the stop string was found still holds the request; its blocks
             # are already free, and collecting that step must not add its token.
@@ -170,34 +186,35 @@ def test_stop_string_found_while_next_step_in_flight(model_dir, seed):
     assert engine.block_pool.num_used_blocks == 0
     # The same tokens as the serial engine, which never schedules past the stop.
     serial = _engine(model_dir, async_scheduling=False)
-    serial.add_request("s", prompt, params)
+    serial.add_request("s", prompt, params, stream=True)
     serial_final = None
     while serial.has_unfinished_requests():
         serial_final = next((o for o in serial.step() if o.finished), serial_final)
     assert _snapshot(serial_final) == _snapshot(final)
-    assert serial.num_discarded_tokens == 0
-    assert engine.stats().generation_tokens_total == serial.stats().generation_tokens_total
+    assert serial.engine.num_discarded_tokens == 0
+    assert engine.stats().generation_tokens_total == serial.engine.stats().generation_tokens_total
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_abort_while_step_in_flight(model_dir, seed):
     prompts = _prompts(seed, 2)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    engine = _engine(model_dir, async_scheduling=True)
-    engine.add_request("keep", prompts[0], params)
-    engine.add_request("gone", prompts[1], params)
-    gone = engine.outputs.children_of("gone")[0]
+    llm = _engine(model_dir, async_scheduling=True)
+    engine = llm.engine
+    llm.add_request("keep", prompts[0], params, stream=True)
+    llm.add_request("gone", prompts[1], params, stream=True)
+    gone = _core_requests(llm, "gone")[0]
     reported_gone = []
     for _ in range(3):
-        reported_gone += [o for o in engine.step() if o.request_id == "gone"]
+        reported_gone += [o for o in llm.step() if o.request_id == "gone"]
     assert engine._in_flight is not None and gone in engine._in_flight.so.requests
     tokens_before_abort = list(gone.output_token_ids)
     blocks_before = engine.block_pool.num_used_blocks
-    engine.abort_request("gone")
+    llm.abort_request("gone")
     assert engine.block_pool.num_used_blocks < blocks_before        # freed at once, step still in flight
     keep_reports = []
-    while engine.has_unfinished_requests():
-        outs = engine.step()
+    while llm.has_unfinished_requests():
+        outs = llm.step()
         reported_gone += [o for o in outs if o.request_id == "gone"]
         keep_reports += [o for o in outs if o.request_id == "keep"]
     last = reported_gone[-1]
@@ -207,7 +224,7 @@ def test_abort_while_step_in_flight(model_dir, seed):
     assert engine.block_pool.num_used_blocks == 0
     # The other request is untouched by the abort: the same tokens as alone on a serial engine.
     serial = _engine(model_dir, async_scheduling=False)
-    serial.add_request("keep", prompts[0], params)
+    serial.add_request("keep", prompts[0], params, stream=True)
     serial_final = None
     while serial.has_unfinished_requests():
         serial_final = next((o for o in serial.step() if o.finished), serial_final)
@@ -224,7 +241,7 @@ def test_sampling_metadata_reused_only_for_the_same_static_params(model_dir):
     from pellucid.engine.request import Request
     from pellucid.runner.sampling_metadata_builder import build_sampling_metadata
 
-    runner = _engine(model_dir, async_scheduling=False).runner
+    runner = _engine(model_dir, async_scheduling=False).engine.runner
     greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=5)
     seeded = SamplingParams(temperature=0.8, seed=3)
     reqs = [Request(f"q{i}", [1, 2, 3], p) for i, p in enumerate([greedy, hot, greedy])]

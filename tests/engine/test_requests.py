@@ -156,13 +156,14 @@ def test_runtime_error_fails_only_that_batch_and_engine_recovers(llm, monkeypatc
 
 def test_abort_frees_blocks(llm):
     engine = llm.engine
-    engine.add_request("to-abort", _prompts(llm, 7, [40])[0], SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.step()
+    llm.add_request("to-abort", _prompts(llm, 7, [40])[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    llm.step()
     assert engine.stats().num_used_blocks > 0
-    engine.abort_request("to-abort")
-    outs = engine.step()
+    llm.abort_request("to-abort")
+    assert engine.stats().num_used_blocks == 0     # freed at once, before the next step
+    outs = llm.step()
     assert [o.outputs[0].finish_reason for o in outs if o.request_id == "to-abort"] == ["abort"]
-    assert engine.stats().num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert not llm.has_unfinished_requests() and not engine.has_unfinished_requests()
 
 
 def test_chat_uses_the_chat_template(llm):

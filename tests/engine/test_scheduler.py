@@ -375,7 +375,7 @@ def test_request_that_outgrows_the_pool_ends_with_error() -> None:
     setup.scheduler.add_request(big)
     so = setup.scheduler.schedule()
     assert so.is_empty and big.finish_reason == "error" and "needs 4 KV blocks" in big.error
-    assert setup.scheduler.drain_finished_unreported() == ["big"]
+    assert setup.scheduler.drain_finished_unreported() == [big]
     r = make_request("r", list(range(1, 9)), max_tokens=20, ignore_eos=True)
     setup.scheduler.add_request(r)
     for _ in range(10):
@@ -383,7 +383,7 @@ def test_request_that_outgrows_the_pool_ends_with_error() -> None:
         if r.is_finished:
             break
     assert r.finish_reason == "error" and "KV blocks" in r.error and r.num_tokens == 13
-    assert setup.scheduler.drain_finished_unreported() == ["r"]
+    assert setup.scheduler.drain_finished_unreported() == [r]
     assert setup.scheduler.drain_finished_unreported() == []
     assert not setup.scheduler.has_unfinished_requests()
     assert_all_blocks_free(setup)

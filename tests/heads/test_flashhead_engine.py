@@ -107,7 +107,7 @@ def test_async_llm_uses_the_head_and_matches_dense(flash_model_dir, dense_llm):
             return await asyncio.gather(*(one(p) for p in prompts))
 
         assert asyncio.run(run_all()) == token_ids(dense_llm.generate(prompts, params))
-        assert engine._core.runner.head.rows_fast >= 4 * 10
+        assert engine.get_stats().lm_head_usage["rows_fast"] >= 4 * 10
     finally:
         engine.shutdown()
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pellucid.config import EngineConfig
-from pellucid.engine.engine_core import EngineCore
+from pellucid.llm import LLM
 from pellucid.engine.request import Request
 from pellucid.runner.batch import build_step_batch
 from pellucid.runner.buffers import StepBuffers
@@ -153,8 +153,8 @@ def test_staged_batches_equal_unstaged_ones(seed: int) -> None:
 def _run_engine(model_dir: str, staged: bool) -> tuple[dict[str, list[int]], int]:
     config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", max_model_len=128,
                                       max_num_seqs=6, async_scheduling=True)
-    core = EngineCore(config)
-    runner = core.runner
+    llm = LLM.from_config(config)
+    runner = llm.engine.runner
     if staged:
         runner.buffers = StepBuffers(runner.max_num_batched_tokens, runner.max_num_reqs,
                                      math.ceil(runner.max_model_len / runner.block_size), CPU, use_staging=True)
@@ -170,10 +170,10 @@ def _run_engine(model_dir: str, staged: bool) -> tuple[dict[str, list[int]], int
     for i in range(5):
         prompt = torch.randint(5, 400, (int(torch.randint(3, 30, (1,), generator=gen)),), generator=gen).tolist()
         params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10 + 3 * i, ignore_eos=True)
-        core.add_request(f"r{i}", prompt, params, stream=False)
+        llm.add_request(f"r{i}", prompt, params)
     tokens: dict[str, list[int]] = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
+    while llm.has_unfinished_requests():
+        for out in llm.step():
             if out.finished:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
     return tokens, fed

@@ -1,4 +1,6 @@
-"""Session fixtures: one tiny random model, one AsyncLLM and one server for all server tests."""
+"""Session fixtures: one tiny random model, one AsyncLLM and one server for all server tests (the engine
+core in its own process, as `pellucid serve` runs it), and a second server whose engine core runs in the
+test's process, for the tests that slow or break its steps."""
 from __future__ import annotations
 
 import pytest
@@ -24,6 +26,15 @@ def server(async_engine):
     running = start_server(async_engine)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def threaded_server(server_model_dir):
+    llm = AsyncLLM(server_model_dir, served_model_name=MODEL_NAME, engine_process=False, **ENGINE_KWARGS)
+    running = start_server(llm)
+    yield running
+    running.stop()
+    llm.shutdown()
 
 
 @pytest.fixture(scope="session")

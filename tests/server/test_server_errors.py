@@ -73,7 +73,8 @@ def test_unknown_fields_are_ignored(server):
     assert response.status_code == 200, response.text
 
 
-def test_internal_failure_of_one_request_is_a_500_and_the_server_keeps_serving(server):
+def test_internal_failure_of_one_request_is_a_500_and_the_server_keeps_serving(threaded_server):
+    server = threaded_server
     with failing_step(server.llm) as fail_next_step:
         response = httpx.post(f"{server.base_url}/completions", timeout=60,
                               json={"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 4})

@@ -85,22 +85,19 @@ def _requests_in(rows: list) -> list:
     return [r for r in rows if r is not None]
 
 
-def test_n_greater_than_one_final_output_takes_the_feature_outputs(make_llm):
-    """Streamed outputs of an n=2 request carry a snapshot of the first sequence's feature outputs (as
-    before); the final one takes them out of every sequence's request."""
+def test_final_output_takes_the_feature_outputs(make_llm):
+    """Streamed outputs of a traced request carry no saves; the final one takes them over from the engine's
+    request, which keeps no reference to them."""
     llm = make_llm("llama")
-    core = llm.engine
-    feature = torch.randn(3, generator=torch.Generator().manual_seed(0))
-    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=4, ignore_eos=True)
-    core.add_request("n2", random_prompts(7, [5])[0], params, extras={"outputs": {"feature": feature}}, stream=True)
-    children = core.outputs.children_of("n2")
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    llm.add_request("traced", random_prompts(7, [5])[0], params, extras={"trace": _plan()}, stream=True)
+    request = llm.engine.scheduler.requests["traced"]
     outputs = []
-    while core.has_unfinished_requests():
-        outputs.extend(core.step())
+    while llm.has_unfinished_requests():
+        outputs.extend(llm.step())
     assert len(outputs) > 1 and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
-    for out in outputs:
-        assert list(out.extras) == ["feature"] and out.extras["feature"] is feature
-    assert all("outputs" not in child.extras for child in children)
+    assert all(not o.extras for o in outputs[:-1]) and "saves" in outputs[-1].extras
+    assert request.is_finished and request.feature_outputs is None
 
 
 def test_async_llm_saves_die_with_the_outputs(model_dir):

@@ -1,0 +1,300 @@
+"""The engine core in its own process, and the client that starts it and talks to it over ZMQ.
+
+The process is a fresh interpreter (`python -m pellucid.engine.core_proc`), not a fork or a
+multiprocessing spawn: it never re-imports the frontend's main module and starts the same way under a
+script, a notebook or the server. Its stdin is a pipe from the frontend: the start-up settings come
+first, and end-of-file afterwards means the frontend is gone, whatever killed it (SIGKILL included),
+so the engine exits at once and never outlives it.
+
+Two ZMQ sockets on private ipc paths carry the traffic: frontend -> engine (requests, aborts, utility
+calls) and engine -> frontend (step outputs, utility results). In the engine process one thread reads
+and decodes the inputs, one encodes and sends the outputs, and the main thread runs the busy loop
+(core_loop.py), so sockets and serialization overlap the steps. Messages are msgpack with tensors as
+side frames (serial.py).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from pellucid.config import EngineConfig
+from pellucid.engine.core_client import BackgroundClient, EngineStartupError
+from pellucid.engine.messages import EngineCoreOutputs, EngineInput, EngineStats, Shutdown
+from pellucid.engine.serial import MessageDecoder, MessageEncoder
+from pellucid.logger import get_logger
+
+logger = get_logger(__name__)
+
+_POLL_MS = 200
+
+
+@dataclass
+class StartupSettings:
+    config: EngineConfig
+    input_address: str         # frontend -> engine
+    output_address: str        # engine -> frontend
+    log_level: int
+
+
+class _Startup(msgspec.Struct):
+    """The engine's first message: its info (a pickled EngineInfo), or why it could not start."""
+
+    info: bytes = b""
+    stats: EngineStats | None = None
+    error: str | None = None
+
+
+# ---- the engine process ---------------------------------------------------------------------------
+def main() -> None:
+    settings: StartupSettings = pickle.load(sys.stdin.buffer)
+    get_logger().setLevel(settings.log_level)
+    _exit_when_frontend_is_gone(sys.stdin.buffer)
+    # Ctrl-C in a terminal reaches the whole process group: the frontend decides what happens then.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    context = zmq.Context()
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(settings.output_address)
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(settings.input_address)
+    encoder = MessageEncoder()
+    try:
+        from pellucid.engine.engine_core import EngineCore
+        core = EngineCore(settings.config)
+        info = core.info(probe_sites=True)
+    except BaseException as exc:
+        logger.error("the engine core could not start:\n%s", traceback.format_exc())
+        outputs.send_multipart(encoder.encode(_Startup(error=f"{type(exc).__name__}: {exc}")))
+        _exit(context, [inputs, outputs], 1)
+    outputs.send_multipart(encoder.encode(_Startup(info=pickle.dumps(info), stats=core.stats())), copy=False)
+    code = _serve(core, inputs, outputs, stop)
+    _exit(context, [inputs, outputs], code)
+
+
+def _exit(context: zmq.Context, sockets: list[zmq.Socket], code: int) -> None:
+    """Deliver what is still queued for the frontend, then leave at once: no interpreter teardown, in
+    which the thread still blocked on stdin would make the exit fail."""
+    for sock in sockets:
+        sock.close(linger=5000)
+    context.term()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.Event) -> int:
+    from pellucid.engine.core_loop import EngineCoreLoop
+
+    input_queue: queue.Queue[Any] = queue.Queue()
+    output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+
+    def read_inputs() -> None:
+        decoder = MessageDecoder(EngineInput)
+        while not stop.is_set():
+            if not inputs.poll(_POLL_MS):
+                continue
+            frames = inputs.recv_multipart(copy=False)
+            try:
+                input_queue.put(decoder.decode(frames))
+            except Exception:
+                logger.exception("could not decode a message from the frontend; dropped")
+        input_queue.put(Shutdown())     # SIGTERM: leave like a requested shutdown
+
+    def send_outputs() -> None:
+        encoder = MessageEncoder()
+        while (item := output_queue.get()) is not None:
+            outputs.send_multipart(encoder.encode(item), copy=False)
+
+    reader = threading.Thread(target=read_inputs, name="pellucid-engine-inputs", daemon=True)
+    sender = threading.Thread(target=send_outputs, name="pellucid-engine-outputs", daemon=True)
+    reader.start()
+    sender.start()
+    code = 0
+    try:
+        EngineCoreLoop(core, input_queue, output_queue.put).run()
+    except BaseException as exc:
+        logger.error("the engine loop crashed:\n%s", traceback.format_exc())
+        output_queue.put(EngineCoreOutputs(engine_error=f"the engine loop crashed: {type(exc).__name__}: {exc}"))
+        code = 1
+    stop.set()
+    output_queue.put(None)
+    sender.join()
+    reader.join()
+    return code
+
+
+def _exit_when_frontend_is_gone(pipe: Any) -> None:
+    """End this process as soon as its stdin (a pipe held only by the frontend) reaches end-of-file."""
+    def watch() -> None:
+        try:
+            while pipe.read(4096):
+                pass
+        except OSError:
+            pass
+        logger.error("the frontend process is gone; the engine core exits")
+        os._exit(1)
+    threading.Thread(target=watch, name="pellucid-frontend-watch", daemon=True).start()
+
+
+# ---- the frontend's side ----------------------------------------------------------------------------
+class MPClient(BackgroundClient):
+    """Starts the engine-core process and talks to it; any thread may send, one thread receives."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
+        self._dir = tempfile.mkdtemp(prefix="pellucid-engine-")     # private (0700): the sockets live here
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.bind(f"ipc://{self._dir}/input")
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(f"ipc://{self._dir}/output")
+        self._encoder = MessageEncoder()
+        self._send_lock = threading.Lock()
+        self._proc = _start_process(StartupSettings(config, f"ipc://{self._dir}/input",
+                                                    f"ipc://{self._dir}/output", get_logger().getEffectiveLevel()))
+        try:
+            self.info = self._wait_ready()
+        except BaseException:
+            self._stop_process(timeout=5.0)
+            self._close_sockets()
+            raise
+        self._receiver = threading.Thread(target=self._receive_loop, name="pellucid-engine-client", daemon=True)
+        self._receiver.start()
+        _LIVE_CLIENTS.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _wait_ready(self) -> Any:
+        decoder = MessageDecoder(_Startup)
+        while not self._output.poll(_POLL_MS):
+            code = self._proc.poll()
+            if code is not None:
+                raise EngineStartupError(f"the engine process exited with code {code} before it was ready "
+                                         "(its error is printed above)")
+        startup = decoder.decode(self._output.recv_multipart(copy=False))
+        if startup.error is not None:
+            raise EngineStartupError(f"the engine core could not start: {startup.error}")
+        self.latest_stats = startup.stats
+        return pickle.loads(startup.info)
+
+    def _send(self, message: Any) -> None:
+        with self._send_lock:
+            self._input.send_multipart(self._encoder.encode(message), copy=False)
+
+    def _receive_loop(self) -> None:
+        """Receive and deliver the engine's reports until it is gone; a process that exits unasked is
+        declared dead once everything it sent before has been delivered (its own last words included)."""
+        decoder = MessageDecoder(EngineCoreOutputs)
+        exited = False
+        while self._dead is None:
+            try:
+                if not self._output.poll(0 if exited else _POLL_MS):
+                    if exited:
+                        break
+                    exited = self._proc.poll() is not None
+                    continue
+                frames = self._output.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return          # the socket was closed by shutdown()
+            try:
+                outputs = decoder.decode(frames)
+            except Exception as exc:
+                logger.exception("could not decode a message from the engine")
+                self._declare_dead(f"undecodable message from the engine: {exc!r}")
+                return
+            self._receive(outputs)
+            del outputs, frames     # the frontend's outputs become the only owners of what they carry
+        if exited and not self._closing:
+            self._declare_dead(_exit_description(self._proc.returncode))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        _LIVE_CLIENTS.discard(self)
+        if self._dead is None and self._proc.poll() is None:
+            try:
+                self._send(Shutdown())
+            except zmq.ZMQError:
+                pass
+        self._stop_process(timeout)
+        self._receiver.join(timeout=5.0)
+        self._declare_dead("the engine was shut down")
+        self._close_sockets()
+
+    def _stop_process(self, timeout: float) -> None:
+        proc = self._proc
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("the engine process did not stop within %.0f s; terminating it", timeout)
+            proc.terminate()
+            try:
+                proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdin is not None:
+            proc.stdin.close()
+
+    def _close_sockets(self) -> None:
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _start_process(settings: StartupSettings) -> subprocess.Popen:
+    # The child imports the same Pellucid as this process, wherever it was imported from.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, "-m", "pellucid.engine.core_proc"], stdin=subprocess.PIPE, env=env)
+    assert proc.stdin is not None
+    pickle.dump(settings, proc.stdin)
+    proc.stdin.flush()
+    return proc
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the engine process was killed by {name}"
+    return f"the engine process exited with code {code}"
+
+
+# Engine processes still running when this interpreter exits are shut down (the pipe would end them too,
+# but a clean shutdown lets them abort their requests and release the GPU in order).
+_LIVE_CLIENTS: "weakref.WeakSet[MPClient]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_clients() -> None:
+    for client in list(_LIVE_CLIENTS):
+        try:
+            client.shutdown(timeout=10.0)
+        except Exception:
+            pass
+
+
+if __name__ == "__main__":
+    main()

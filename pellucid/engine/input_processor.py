@@ -1,0 +1,87 @@
+"""The frontend's side of adding a request: text to token ids, every check the engine would make, and
+n > 1 fanned out into n engine requests. A bad request is refused here (ValueError, HTTP 400) before
+anything reaches the engine."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pellucid.engine.engine_core import EngineInfo, check_prompt_ids
+from pellucid.engine.features import get_feature
+from pellucid.engine.messages import EngineCoreRequest
+from pellucid.sampling_params import SamplingParams
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated request: what the output processor tracks and the engine requests to send."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    engine_requests: list[EngineCoreRequest]
+    feature_keys: tuple[str, ...]        # its features that publish outputs (see OutputProcessor)
+
+    @property
+    def child_ids(self) -> list[str]:
+        return [r.request_id for r in self.engine_requests]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text or ids), checked against the engine's limits; ValueError otherwise."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        info = self.info
+        check_prompt_ids(ids, info.vocab_size, info.max_model_len, info.enable_chunked_prefill,
+                         info.max_num_batched_tokens)
+        return ids
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                extras: dict[str, Any] | None = None, stream: bool = True) -> ProcessedRequest:
+        """Everything checked; ValueError naming the problem otherwise."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = self.prompt_ids(prompt)
+        max_total = _max_total_tokens(len(ids), params.max_tokens, self.info.max_model_len)
+        checked: dict[str, Any] = {}
+        for key, value in (extras or {}).items():
+            checked[key] = get_feature(key).check(value, ids, params, max_total, self.info)
+        # The engine reports a request every step only when something here needs its tokens as they come.
+        engine_stream = (stream or (params.detokenize and bool(params.stop_strings)) or params.logprobs is not None
+                         or params.prompt_logprobs is not None)
+        arrival = time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(EngineCoreRequest(child_id, ids, child_params, arrival, engine_stream,
+                                              dict(checked) if checked else None))
+        publishing = tuple(key for key in checked if get_feature(key).publishes_outputs)
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, ids, params, children,
+                                publishing)
+
+
+def _max_total_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The longest sequence (prompt + output) a request may reach, as the engine's Request computes it."""
+    return min(max_model_len, num_prompt_tokens + max_tokens) if max_tokens else max_model_len

@@ -1,0 +1,96 @@
+"""Tracing as a request feature: `extras={"trace": TracePlan | [ops] | [JSON ops]}`.
+
+Frontend: the ops are checked against the engine's site table (published at start-up), so a bad
+intervention is refused before it reaches the engine. Engine: each request gets its own bound plan
+(the runner records and edits through it), a traced request computes every prompt position itself
+(it never reads the prefix cache) and an edited one never publishes to it; when traced requests end,
+their saves are assembled together and become the request's feature outputs.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from pellucid.engine.features import RequestFeature, register_feature
+from pellucid.engine.request import RequestStatus
+from pellucid.tracing.plan import TRACE_KEY, TracePlan, finalize_plans
+from pellucid.tracing.sites import site_table
+
+# By id: an enum member's hash is computed in Python, an int's in C (enum members are singletons).
+_FINISHED_STATUS_IDS = frozenset(id(status) for status in RequestStatus if status.finished)
+_STATUS = operator.attrgetter("status")
+
+
+class Tracing(RequestFeature):
+    key = TRACE_KEY
+    # Ops, saves and recorded tokens live on the device per step, and a request's saves are cut at its
+    # end (the position limits below), so traced requests work on steps launched ahead of the readback.
+    step_ahead = True
+    publishes_outputs = True
+
+    def check(self, value: Any, prompt_token_ids: list[int], params: Any, max_total_tokens: int,
+              engine_info: Any) -> TracePlan:
+        if params.n != 1:
+            raise ValueError(f"a traced request must have n=1 (got n={params.n}); send n separate requests")
+        plan = TracePlan.from_extras(value)
+        if not plan.ops:
+            raise ValueError("the trace has no ops")
+        plan.bind(len(prompt_token_ids), max_total_tokens, "check", engine_info.site_table)
+        return plan
+
+    def trim_outputs(self, outputs: dict[str, Any], num_tokens: int) -> None:
+        saves, positions = outputs.get("saves"), outputs.get("save_positions")
+        if not saves or not positions:
+            return
+        limit = num_tokens - 1
+        for name, kept in list(positions.items()):
+            keep = [i for i, p in enumerate(kept) if p < limit]
+            if len(keep) != len(kept):
+                saves[name] = saves[name][torch.tensor(keep, dtype=torch.long, device=saves[name].device)]
+                positions[name] = [kept[i] for i in keep]
+
+    def prepare(self, request: Any, engine: Any) -> None:
+        plan = TracePlan.from_extras(request.extras[TRACE_KEY])
+        if not plan.ops:
+            raise ValueError("the trace has no ops")
+        request.extras[TRACE_KEY] = plan.bind(request.num_prompt_tokens, request.max_total_tokens,
+                                              request.request_id, site_table(engine.runner))
+        # A traced request computes every prompt position itself; an edited one's KV is not the model's.
+        request.read_prefix_cache = False
+        if plan.edits:
+            request.publish_prefix_cache = False
+
+    def set_active(self, engine: Any, active: bool) -> None:
+        # Most steps trace nothing: the runner skips its per-request scan for traced rows then.
+        engine.runner.trace_possible = active
+
+    def after_step(self, changed: list[Any]) -> None:
+        """Publish the saves (or the trace error) of traced requests that just finished, assembled together."""
+        # This runs over every request that progressed, every step, and usually none has finished: that
+        # test runs in C (a Python loop over a large batch costs ~20 us a step).
+        if _FINISHED_STATUS_IDS.isdisjoint(map(id, map(_STATUS, changed))):
+            return
+        finishing = []
+        for request in changed:
+            if not request.is_finished:
+                continue
+            plan = request.extras.get(TRACE_KEY) if request.extras else None
+            if plan is None or not isinstance(plan, TracePlan) or not plan.bound or plan.finalized:
+                continue
+            if request.error is not None and not plan.failed:
+                plan.error = request.error
+            finishing.append((request, plan))
+        if not finishing:
+            return
+        # A request computes positions up to its second-to-last token (the last is never fed back). A step
+        # launched ahead of its end (async scheduling) may have recorded one more position: not kept.
+        limits = [request.num_tokens - 1 for request, _ in finishing]
+        for (request, _), result in zip(finishing, finalize_plans([plan for _, plan in finishing], limits)):
+            if request.feature_outputs is None:
+                request.feature_outputs = {}
+            request.feature_outputs.update(result)
+
+
+register_feature(Tracing())
