@@ -26,17 +26,18 @@ def profile_decode_steps(args: argparse.Namespace, max_model_len: int, prompt_le
                          ) -> tuple[Any, profile]:
     """An engine for args.model with args.batch requests of `prompt_len` random tokens, stepped through the
     prefill and `warm_steps` - 1 decode steps, then args.steps decode steps under torch.profiler (CUDA)."""
-    core, _ = make_engine(args, max_model_len, max(args.batch, 1), 8192)
+    llm, _ = make_engine(args, max_model_len, max(args.batch, 1), 8192)
+    core = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + warm_steps + 20, ignore_eos=True,
                             detokenize=False)
     for i, prompt in enumerate(random_prompts([prompt_len] * args.batch, core.runner.head.vocab_size, args.seed)):
-        core.add_request(f"p{i}", prompt, params, stream=False)
+        llm.add_request(f"p{i}", prompt, params)
     for _ in range(warm_steps):
-        core.step()
+        llm.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            core.step()
+            llm.step()
         torch.cuda.synchronize()
     return core, prof
 

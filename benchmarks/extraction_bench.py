@@ -173,13 +173,13 @@ class _Timers:
 
 def profile(prefill: Any, extract: Any, roots: list[str]) -> None:
     """Instrument (in this process only) the stages of an extraction run and time them."""
-    import pellucid.engine.engine_core as core_module
     import pellucid.extraction.staging as staging_module
     import pellucid.extraction.writer as writer_module
     from pellucid.engine.engine_core import EngineCore
+    from pellucid.tracing.feature import Tracing
 
     timers = _Timers()
-    patches = [(core_module, "finish_traced_requests", "finalize saves (gather, D2H, stream sync)"),
+    patches = [(Tracing, "after_step", "finalize saves (gather, D2H, stream sync)"),
                (EngineCore, "step", "engine.step (main thread, includes finalize)"),
                (writer_module.DatasetWriter, "add", "writer.add (main thread, includes waiting for room)"),
                (staging_module.HostStager, "stage", "stage: queue GPU stack + D2H (main thread)"),

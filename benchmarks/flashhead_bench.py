@@ -170,16 +170,16 @@ def print_head_table(rows: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------------------- e2e mode
 
-def decode_steps(core, prompt: list[int], output_len: int, tag: str) -> tuple[list[int], list[float]]:
+def decode_steps(llm, prompt: list[int], output_len: int, tag: str) -> tuple[list[int], list[float]]:
     """Greedy batch-1 generation; (output ids, per-step seconds of the decode steps)."""
     from pellucid.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    core.add_request(tag, prompt, params)
+    llm.add_request(tag, prompt, params, stream=True)
     steps, output = [], None
-    while core.has_unfinished_requests():
+    while llm.has_unfinished_requests():
         start = time.perf_counter()
-        outs = core.step()      # ends with the sampled-token readback, so the GPU work is included
+        outs = llm.step()       # ends with the sampled-token readback, so the GPU work is included
         steps.append(time.perf_counter() - start)
         for out in outs:
             output = out
@@ -189,8 +189,8 @@ def decode_steps(core, prompt: list[int], output_len: int, tag: str) -> tuple[li
 def run_e2e(model_name: str, output_len: int, probes: int, cache_root: str) -> list[dict]:
     from pellucid.bench.models import build_random_checkpoint
     from pellucid.config import EngineConfig
-    from pellucid.engine.engine_core import EngineCore
     from pellucid.heads.flashhead.cli import read_head_weight
+    from pellucid.llm import LLM
 
     model_dir = build_random_checkpoint(model_name, os.path.join(cache_root, model_name))
     weight = read_head_weight(model_dir).to("cuda", torch.bfloat16)
@@ -205,11 +205,11 @@ def run_e2e(model_name: str, output_len: int, probes: int, cache_root: str) -> l
             config = EngineConfig.from_kwargs(model_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=8,
                                               max_num_batched_tokens=1024, gpu_memory_utilization=0.5,
                                               head=head, head_options=options)
-            core = EngineCore(config)
-            decode_steps(core, prompt, 8, f"warm-{head}-{repeat}")
-            ids, steps = decode_steps(core, prompt, output_len, f"{head}-{repeat}")
+            llm = LLM.from_config(config)
+            decode_steps(llm, prompt, 8, f"warm-{head}-{repeat}")
+            ids, steps = decode_steps(llm, prompt, output_len, f"{head}-{repeat}")
             outputs[head] = ids
-            usage = core.runner.head.usage()
+            usage = llm.engine.runner.head.usage()
             row = {"model": model_name, "head": head, "repeat": repeat, "output_len": output_len,
                    "median_step_ms": statistics.median(steps) * 1e3,
                    "tokens_per_s": 1.0 / statistics.median(steps), "asset_build_s": build_s, **usage}

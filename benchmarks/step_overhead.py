@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import inspect
 import pstats
 import statistics
 import tempfile
@@ -50,7 +49,7 @@ class StubModel(torch.nn.Module):
 def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, device_ms: float,
                  async_scheduling: bool):
     from pellucid.config import EngineConfig
-    from pellucid.engine.engine_core import EngineCore
+    from pellucid.llm import LLM
     from pellucid.sampling_params import SamplingParams
     from pellucid.tiny_models import build_tiny_model
 
@@ -59,7 +58,8 @@ def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, dev
     config = EngineConfig.from_kwargs(model_dir, device="cpu", max_num_seqs=batch, max_model_len=max_len,
                                       max_num_batched_tokens=max(batch * prompt_len, 2048),
                                       num_kv_blocks=batch * (max_len // 16 + 2), async_scheduling=async_scheduling)
-    core = EngineCore(config)
+    llm = LLM.from_config(config)
+    core = llm.engine
     stub = StubModel(core.runner.model, config.scheduler.max_num_batched_tokens, device_ms)
     core.runner.model = stub
     # The LM head matmul and the sampler's pass over the vocabulary are device work on a GPU too: fixed
@@ -80,12 +80,10 @@ def build_engine(batch: int, prompt_len: int, output_len: int, stream: bool, dev
         core.runner._device_readback = readback_after_device
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    # Older engines (before output modes) stream everything; measure them as they are.
-    mode = {"stream": stream} if "stream" in inspect.signature(core.add_request).parameters else {}
     for i in range(batch):
         prompt = torch.randint(10, 500, (prompt_len,), generator=gen).tolist()
-        core.add_request(f"r{i}", prompt, params, **mode)
-    return core
+        llm.add_request(f"r{i}", prompt, params, stream=stream)
+    return llm
 
 
 class PhaseTimer:
@@ -107,12 +105,13 @@ class PhaseTimer:
 
 
 def measure(args: argparse.Namespace, stream: bool) -> tuple[dict[str, float], list[float]]:
-    core = build_engine(args.batch, args.prompt_len, args.steps + 20, stream, args.gpu_ms, args.async_scheduling)
+    llm = build_engine(args.batch, args.prompt_len, args.steps + 20, stream, args.gpu_ms, args.async_scheduling)
+    core = llm.engine
     # Prefill every request first; then time decode steps only.
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.num_waiting:
-        core.step()
+        llm.step()
     for _ in range(10):
-        core.step()
+        llm.step()
     assert core.scheduler.num_running == args.batch, f"only {core.scheduler.num_running} requests running"
     phases = PhaseTimer()
     phases.wrap(core.scheduler, "schedule", "schedule")
@@ -120,15 +119,15 @@ def measure(args: argparse.Namespace, stream: bool) -> tuple[dict[str, float], l
     phases.wrap(core.runner, "collect", "runner.collect (readback wait, token dicts)")
     phases.wrap(core.runner.head, "sample", "  of which head.sample (logits stubbed; sampler launch)")
     phases.wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
-    phases.wrap(core.outputs, "process_tokens", "outputs.process_tokens (detokenize, stops)")
-    phases.wrap(core.outputs, "make_outputs", "outputs.make_outputs")
+    phases.wrap(core, "_output", "engine outputs (token ids per reported request)")
+    phases.wrap(llm.output_processor, "process", "frontend output processor (detokenize, stops, RequestOutputs)")
     profiler = cProfile.Profile() if args.profile else None
     times = []
     for _ in range(args.steps):
         if profiler:
             profiler.enable()
         t0 = time.perf_counter()
-        core.step()
+        llm.step()
         times.append(time.perf_counter() - t0)
         if profiler:
             profiler.disable()

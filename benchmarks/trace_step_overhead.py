@@ -48,7 +48,7 @@ def stub_decoder_layers(model: torch.nn.Module) -> int:
 
 def build_engine(batch: int, prompt_len: int, output_len: int) -> Any:
     from pellucid.config import EngineConfig
-    from pellucid.engine.engine_core import EngineCore
+    from pellucid.llm import LLM
     from pellucid.tiny_models import build_tiny_model
 
     model_dir = build_tiny_model("qwen3", tempfile.mkdtemp(prefix="trace-step-overhead-"), num_hidden_layers=4,
@@ -58,9 +58,9 @@ def build_engine(batch: int, prompt_len: int, output_len: int) -> Any:
                                       max_num_batched_tokens=max(batch * prompt_len, 2048),
                                       num_kv_blocks=batch * (max_len // 16 + 2), async_scheduling=False,
                                       enable_prefix_caching=False)
-    core = EngineCore(config)
-    stub_decoder_layers(core.runner.model)
-    return core
+    llm = LLM.from_config(config)
+    stub_decoder_layers(llm.engine.runner.model)
+    return llm
 
 
 def make_extras(workload: str, site: str, vector: torch.Tensor) -> dict[str, Any] | None:
@@ -97,7 +97,7 @@ class PhaseTimer:
 
 
 def wrap_tracing_phases(timer: PhaseTimer) -> None:
-    import pellucid.engine.engine_core as engine_core
+    from pellucid.tracing.feature import Tracing
     from pellucid.tracing.hooks import StepTrace
     from pellucid.tracing.taps import TargetTap
 
@@ -107,7 +107,7 @@ def wrap_tracing_phases(timer: PhaseTimer) -> None:
     timer.wrap(StepTrace, "apply_logits_ops", "StepTrace.apply_logits_ops")
     timer.wrap(StepTrace, "record_tokens", "StepTrace.record_tokens")
     timer.wrap(StepTrace, "finish_step", "StepTrace.finish_step")
-    timer.wrap(engine_core, "finish_traced_requests", "finish_traced_requests (assemble saves)")
+    timer.wrap(Tracing, "after_step", "Tracing.after_step (assemble saves)")
 
 
 CLOCK = time.thread_time
@@ -116,11 +116,12 @@ CLOCK = time.thread_time
 TIMER = PhaseTimer()
 
 
-def run_once(core: Any, workload: str, batch: int, prompt_len: int, output_len: int, seed: int,
+def run_once(llm: Any, workload: str, batch: int, prompt_len: int, output_len: int, seed: int,
              profiler: cProfile.Profile | None) -> list[float]:
     """Add `batch` requests, prefill them, then time every decode step until all finish."""
     from pellucid.sampling_params import SamplingParams
 
+    core = llm.engine
     hidden = core.hf_config.hidden_size
     site = f"model.layers.{core.hf_config.num_hidden_layers // 2}"
     gen = torch.Generator().manual_seed(seed)
@@ -128,19 +129,18 @@ def run_once(core: Any, workload: str, batch: int, prompt_len: int, output_len: 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         prompt = torch.randint(10, 500, (prompt_len,), generator=gen).tolist()
-        core.add_request(f"{workload}-{seed}-{i}", prompt, params, extras=make_extras(workload, site, vector),
-                         stream=False)
+        llm.add_request(f"{workload}-{seed}-{i}", prompt, params, extras=make_extras(workload, site, vector))
     while core.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                             for r in core.scheduler.running):
-        core.step()
+        llm.step()
     times = []
     finished = 0
-    while core.has_unfinished_requests():
+    while llm.has_unfinished_requests():
         if profiler:
             profiler.enable()
         TIMER.active = True
         t0 = CLOCK()
-        outs = core.step()
+        outs = llm.step()
         times.append(CLOCK() - t0)
         TIMER.active = False
         if profiler:
@@ -180,10 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     print("| batch | workload | host ms/step (mean, incl. finish) | median | max step | vs untraced (mean) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for batch in args.batch or [64, 256]:
-        core = build_engine(batch, args.prompt_len, args.output_len)
+        llm = build_engine(batch, args.prompt_len, args.output_len)
         timer.totals = {}
         for workload in workloads:     # warm-up: first captures, site probes, allocator
-            run_once(core, workload, min(batch, 4), args.prompt_len, 4, seed=999, profiler=None)
+            run_once(llm, workload, min(batch, 4), args.prompt_len, 4, seed=999, profiler=None)
         if args.freeze_gc:
             gc.collect()
             gc.freeze()
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             for workload in workloads:
                 prof = profiler if workload == args.profile else None
                 timer.totals = phase_totals.setdefault(workload, {})
-                results[workload].append(run_once(core, workload, batch, args.prompt_len, args.output_len,
+                results[workload].append(run_once(llm, workload, batch, args.prompt_len, args.output_len,
                                                   seed=repeat, profiler=prof))
         means = {w: statistics.median(statistics.mean(t) for t in runs) * 1e3 for w, runs in results.items()}
         base = means.get("untraced")

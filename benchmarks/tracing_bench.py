@@ -82,9 +82,9 @@ class PhaseClock:
         setattr(owner, attribute, timed)
 
     def install(self, llm: LLM) -> None:
-        import pellucid.engine.engine_core as engine_core_module
         import pellucid.runner.model_runner as model_runner_module
         import pellucid.tracing.plan as plan_module
+        from pellucid.tracing.feature import Tracing
         from pellucid.tracing.hooks import StepTrace
 
         core = llm.engine
@@ -104,11 +104,10 @@ class PhaseClock:
         self.wrap(runner, "_launch_sampling", "    head + sampler launch")
         self.wrap(runner, "collect", "  runner.collect (waits for the GPU)")
         self.wrap(core.scheduler, "update_from_output", "  update_from_output")
-        self.wrap(engine_core_module, "finish_traced_requests", "  finish_traced_requests")
+        self.wrap(Tracing, "after_step", "  Tracing.after_step (finalize saves)")
         self.wrap(plan_module, "_gather_group", "    _gather_group (assemble saves)")
         self.wrap(plan_module, "_to_host_per_save", "      _to_host_per_save (copy + sync)")
-        self.wrap(core.outputs, "process_tokens", "  process_tokens")
-        self.wrap(core.outputs, "make_outputs", "  make_outputs")
+        self.wrap(llm.output_processor, "process", "  frontend output processing")
         self.order.append("gc")
         gc.callbacks.append(self._gc)
         # Steps by kind: what the launch did, and the step's wall time.
@@ -187,27 +186,27 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], name: str, extras: 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     params = SamplingParams(temperature=0.0, max_tokens=2 * num_steps + 8, ignore_eos=True)
     for i, (prompt, ex) in enumerate(zip(prompts, extras)):
-        core.add_request(f"profile-{name}-{i}", prompt, params, ex, stream=False)
+        llm.add_request(f"profile-{name}-{i}", prompt, params, ex)
     while core.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                             for r in core.scheduler.running):
-        core.step()
+        llm.step()
     for _ in range(2):
-        core.step()
+        llm.step()
     sync()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
         for _ in range(num_steps):
-            core.step()
+            llm.step()
         sync()
         wall = time.perf_counter() - t0
     python_profile = cProfile.Profile()     # then the same number of steps under cProfile: Python hot spots
     python_profile.enable()
     for _ in range(num_steps):
-        core.step()
+        llm.step()
     sync()
     python_profile.disable()
-    while core.has_unfinished_requests():
-        core.step()
+    while llm.has_unfinished_requests():
+        llm.step()
     kernels = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
     gpu_us = sum(e.device_time for e in kernels) / num_steps
     print(f"\n[{name}] {num_steps} decode steps, batch {len(prompts)}: {wall / num_steps * 1e3:.2f} ms/step wall "

@@ -25,15 +25,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def make_engine(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                 **extra: Any):
+    """(an LLM with its engine core in this thread, stepped by hand: `llm.engine` is the core; model dir)."""
     from pellucid.config import EngineConfig
-    from pellucid.engine.engine_core import EngineCore
+    from pellucid.llm import LLM
 
     model_dir = resolve_model(args.model, args.model_cache)
     config = EngineConfig.from_kwargs(model_dir, dtype="bfloat16", max_model_len=max_model_len,
                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                                       gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, **extra)
-    return EngineCore(config), model_dir
+    return LLM.from_config(config), model_dir
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:

@@ -22,23 +22,25 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this many tokens")
 
 
-def _run_batch(core, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
+def _run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
     """(prefill seconds until every request has its first token, decode step seconds)."""
     from pellucid.sampling_params import SamplingParams
+
+    core = llm.engine
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     vocab = core.runner.head.vocab_size
     for i, prompt in enumerate(random_prompts([input_len] * batch, vocab, seed)):
-        core.add_request(f"lat-{batch}-{i}", prompt, params, stream=False)
+        llm.add_request(f"lat-{batch}-{i}", prompt, params)
     torch.cuda.synchronize()
     start = time.perf_counter()
     while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.num_waiting:
-        core.step()
+        llm.step()
     prefill = time.perf_counter() - start
     steps = []
-    while core.has_unfinished_requests():
+    while llm.has_unfinished_requests():
         t0 = time.perf_counter()
-        core.step()     # ends with the sampled-token readback, so the GPU work is included
+        llm.step()      # ends with the sampled-token readback, so the GPU work is included
         steps.append(time.perf_counter() - t0)
     return prefill, steps[:-1] if len(steps) > 1 else steps
 
@@ -68,14 +70,15 @@ def run_latency(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     max_len = max(args.input_len + args.output_len, args.prefill_len + 1) + 16
     budget = max(8192, args.prefill_len, max(batches) * args.input_len // 4)
-    core, model_dir = make_engine(args, max_len, max(batches), budget)
+    llm, model_dir = make_engine(args, max_len, max(batches), budget)
+    core = llm.engine
     model = core.runner.model
     weights = weight_bytes_per_step(model)
     kv_token = kv_bytes_per_token(model, core.dtype)
-    _run_batch(core, min(batches), 16, 8, args.seed + 99)    # warm-up: kernel compilation
+    _run_batch(llm, min(batches), 16, 8, args.seed + 99)    # warm-up: kernel compilation
     rows = []
     for batch in batches:
-        prefill, steps = _run_batch(core, batch, args.input_len, args.output_len, args.seed + batch)
+        prefill, steps = _run_batch(llm, batch, args.input_len, args.output_len, args.seed + batch)
         step = statistics.median(steps)
         forward = _graph_forward_seconds(core, batch)
         mean_context = args.input_len + args.output_len / 2
@@ -91,7 +94,7 @@ def run_latency(args: argparse.Namespace) -> None:
     if args.prefill_len:
         times = []
         for rep in range(3):
-            prefill, _ = _run_batch(core, 1, args.prefill_len, 1, args.seed + 1000 + rep)
+            prefill, _ = _run_batch(llm, 1, args.prefill_len, 1, args.seed + 1000 + rep)
             times.append(prefill)
         t = statistics.median(times)
         flops = prefill_flops(model, args.prefill_len)

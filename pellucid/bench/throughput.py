@@ -39,16 +39,16 @@ def workload(num: int, lo: int, hi: int, seed: int) -> tuple[list[int], list[int
     return inputs, outputs
 
 
-def run_engine(core, prompts: list[list[int]], output_lens: list[int], tag: str) -> float:
+def run_engine(llm, prompts: list[list[int]], output_lens: list[int], tag: str) -> float:
     from pellucid.sampling_params import SamplingParams
 
     for i, (prompt, out) in enumerate(zip(prompts, output_lens)):
-        core.add_request(f"{tag}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True,
-                                                              detokenize=False), stream=False)
+        llm.add_request(f"{tag}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True,
+                                                             detokenize=False))
     torch.cuda.synchronize()
     start = time.perf_counter()
-    while core.has_unfinished_requests():
-        core.step()
+    while llm.has_unfinished_requests():
+        llm.step()
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -88,11 +88,12 @@ def memory_floor_bytes(weights: int, kv_token: int, input_lens: list[int], outpu
 def run_throughput(args: argparse.Namespace) -> None:
     floors = measure_floors()
     input_lens, output_lens = workload(args.num_requests, args.min_len, args.max_len, args.seed)
-    core, model_dir = make_engine(args, args.max_len * 2 + 16, args.max_num_seqs, args.max_num_batched_tokens)
+    llm, model_dir = make_engine(args, args.max_len * 2 + 16, args.max_num_seqs, args.max_num_batched_tokens)
+    core = llm.engine
     vocab = core.runner.head.vocab_size
     prompts = random_prompts(input_lens, vocab, args.seed)
-    run_engine(core, random_prompts([32] * 4, vocab, args.seed + 7), [8] * 4, "warmup")
-    elapsed = run_engine(core, prompts, output_lens, "tp")
+    run_engine(llm, random_prompts([32] * 4, vocab, args.seed + 7), [8] * 4, "warmup")
+    elapsed = run_engine(llm, prompts, output_lens, "tp")
     model = core.runner.model
     floor = floors.bytes_time(memory_floor_bytes(weight_bytes_per_step(model), kv_bytes_per_token(model, core.dtype),
                                                  input_lens, output_lens))
@@ -108,7 +109,7 @@ def run_throughput(args: argparse.Namespace) -> None:
         sub_in = [max(1, round(x * args.hf_scale)) for x in input_lens[:n]]
         sub_out = [max(1, round(x * args.hf_scale)) for x in output_lens[:n]]
         sub_prompts = [p[:k] for p, k in zip(prompts[:n], sub_in)]
-        ours = run_engine(core, sub_prompts, sub_out, "sub")
+        ours = run_engine(llm, sub_prompts, sub_out, "sub")
         del core
         torch.cuda.empty_cache()
         theirs = run_transformers(model_dir, sub_prompts, sub_out)

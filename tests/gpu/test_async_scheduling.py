@@ -51,18 +51,18 @@ def test_stepping_ahead_does_not_sync(tiny_model_factory):
 
     def add(i: int) -> None:
         prompt = torch.randint(5, 500, (int(torch.randint(4, 60, (1,), generator=g)),), generator=g).tolist()
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10 + i % 7, ignore_eos=True, **kinds[i % 3]))
+        llm.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10 + i % 7, ignore_eos=True, **kinds[i % 3]))
 
     add(0)
-    core.step()   # kernel compilation and allocator warm-up outside the check
+    llm.step()   # kernel compilation and allocator warm-up outside the check
     finished: set[str] = set()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(1, 12):
             add(i)
-            finished |= {o.request_id for o in core.step() if o.finished}
-        while core.has_unfinished_requests():
-            finished |= {o.request_id for o in core.step() if o.finished}
+            finished |= {o.request_id for o in llm.step() if o.finished}
+        while llm.has_unfinished_requests():
+            finished |= {o.request_id for o in llm.step() if o.finished}
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert finished == {f"r{i}" for i in range(12)}

@@ -37,20 +37,20 @@ def test_engine_steps_do_not_sync(tiny_model_factory, enforce_eager):
 
     def add(i: int) -> None:
         prompt = torch.randint(5, 500, (int(torch.randint(4, 60, (1,), generator=g)),), generator=g).tolist()
-        core.add_request(f"r{i}", prompt, _params(i))
+        llm.add_request(f"r{i}", prompt, _params(i))
 
     add(0)
-    core.step()   # first step outside the check: kernel compilation and allocator warm-up
+    llm.step()   # first step outside the check: kernel compilation and allocator warm-up
     steps, finished = 0, set()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(1, 14):      # arrivals while others decode: mixed prefill + decode steps
             add(i)
-            for out in core.step():
+            for out in llm.step():
                 finished |= {out.request_id} if out.finished else set()
             steps += 1
-        while core.has_unfinished_requests():
-            for out in core.step():
+        while llm.has_unfinished_requests():
+            for out in llm.step():
                 finished |= {out.request_id} if out.finished else set()
             steps += 1
     finally:

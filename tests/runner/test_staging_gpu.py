@@ -51,15 +51,15 @@ def test_a_steady_graph_decode_step_copies_its_inputs_once(tiny_model_factory) -
     core = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     for i in range(3):
-        core.add_request(f"r{i}", [5 + i, 17, 33, 8, 9], params)
+        llm.add_request(f"r{i}", [5 + i, 17, 33, 8, 9], params)
     for _ in range(10):     # prefill, then decode steps until the batch is steady
-        core.step()
+        llm.step()
     torch.cuda.synchronize()
     replays = core.runner.cuda_graphs.num_replays
     steps = 12
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            core.step()
+            llm.step()
         torch.cuda.synchronize()
     launched = core.runner.cuda_graphs.num_replays - replays     # each steady step replays one graph
     assert launched >= steps - 1
