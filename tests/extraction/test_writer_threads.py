@@ -2,13 +2,15 @@
 finish in; the manifest lists exactly the files on disk."""
 from __future__ import annotations
 
+import errno
+import json
 import os
 import time
 
 import pytest
 import torch
 
-from pellucid.extraction import HiddenStatesDataset, read_manifest
+from pellucid.extraction import ExtractionError, HiddenStatesDataset, read_manifest
 from pellucid.extraction.staging import HostStager, StagedStates
 from pellucid.extraction.writer import DatasetWriter, SampleRecord
 
@@ -65,3 +67,67 @@ def test_threads_write_each_sample_once_and_intact(tmp_path, monkeypatch, seed, 
 def test_num_threads_is_checked(tmp_path):
     with pytest.raises(ValueError, match="num_threads"):
         DatasetWriter(str(tmp_path), {"layers": [0]}, num_threads=0)
+
+
+class _ManifestFillsUp:
+    """Stands in for the writer module's `os`: the `fail_at`-th append to the manifest writes half its
+    bytes, then fails as a full disk would."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.appends = 0
+        self.manifest_fds: set[int] = set()
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def open(self, path, flags, mode=0o777):
+        fd = os.open(path, flags, mode)
+        if os.path.basename(path) == "manifest.jsonl":
+            self.manifest_fds.add(fd)
+        return fd
+
+    def close(self, fd):
+        self.manifest_fds.discard(fd)
+        os.close(fd)
+
+    def write(self, fd, data):
+        if fd in self.manifest_fds:
+            self.appends += 1
+            if self.appends == self.fail_at:
+                os.write(fd, bytes(data[:len(data) // 2]))
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return os.write(fd, data)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("shard_size", [1, 3])
+def test_failed_manifest_append_leaves_whole_lines_and_the_true_count(tmp_path, monkeypatch, seed, shard_size):
+    import pellucid.extraction.writer as writer_module
+
+    records = _records(seed, 15)
+    monkeypatch.setattr(writer_module, "os", _ManifestFillsUp(fail_at=3))
+    writer = DatasetWriter(str(tmp_path), {"layers": [0, 1, 2]}, shard_size=shard_size, num_threads=3)
+    try:
+        for r in records:
+            writer.add(r)      # raises once it notices the failure (or the failure comes later)
+    except ExtractionError:
+        pass
+    with pytest.raises(ExtractionError, match="disk is full") as info:
+        writer.close()         # as the job does: the report with the final count
+    monkeypatch.undo()
+    raw = (tmp_path / "manifest.jsonl").read_bytes()
+    assert raw.endswith(b"\n") and all(json.loads(line) for line in raw.splitlines())    # no partial line
+    entries = read_manifest(str(tmp_path))
+    assert f"The {len(entries)} samples listed in manifest.jsonl" in str(info.value)
+    assert 0 < len(entries) < len(records)
+    # A new writer (a rerun) removes the files whose lines were cut off; the rest of the samples follow.
+    writer = DatasetWriter(str(tmp_path), {"layers": [0, 1, 2]}, shard_size=shard_size, num_threads=3)
+    assert writer.done_ids == {e["id"] for e in entries}
+    for r in _records(seed, 15):
+        if r.sample_id not in writer.done_ids:
+            writer.add(r)
+    writer.close()
+    entries = read_manifest(str(tmp_path))
+    assert sorted(e["id"] for e in entries) == sorted(r.sample_id for r in records)
+    assert {n for n in os.listdir(tmp_path) if n.endswith(".safetensors")} == {e["file"] for e in entries}
