@@ -20,6 +20,7 @@ the fast path samples the very token the dense head would.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import torch
@@ -74,10 +75,13 @@ class FlashHead(LMHead):
         self.asset_path = resolve_asset_path(str(asset_path))
         asset = load_asset(self.asset_path, weight)
         self.num_clusters, self.cluster_size = asset.num_clusters, asset.cluster_size
-        self.probes = int(self.options.get("probes", min(DEFAULT_PROBES, self.num_clusters)))
-        if not 1 <= self.probes <= self.num_clusters:
-            raise ValueError(f"flashhead probes must be in [1, {self.num_clusters}] (the number of clusters), "
-                             f"got {self.probes}")
+        probes = self.options.get("probes", min(DEFAULT_PROBES, self.num_clusters))
+        # An integer only: "12", 12.7 or True would otherwise be coerced into some other setting.
+        if isinstance(probes, bool) or not isinstance(probes, numbers.Integral) \
+                or not 1 <= probes <= self.num_clusters:
+            raise ValueError(f"flashhead probes must be an integer in [1, {self.num_clusters}] (the number of "
+                             f"clusters), got {probes!r}")
+        self.probes = int(probes)
         device = weight.device
         stage1_dtype = self.options.get("stage1_dtype", "auto")
         self.stage1_dtype = weight.dtype if stage1_dtype == "auto" else resolve_dtype(stage1_dtype, "cuda")
