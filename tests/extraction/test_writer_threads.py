@@ -2,7 +2,6 @@
 finish in; the manifest lists exactly the files on disk."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import time
@@ -13,6 +12,7 @@ import torch
 from pellucid.extraction import ExtractionError, HiddenStatesDataset, read_manifest
 from pellucid.extraction.staging import HostStager, StagedStates
 from pellucid.extraction.writer import DatasetWriter, SampleRecord
+from tests.extraction.conftest import DiskFillsUp
 
 
 def _records(seed: int, count: int, layers: int = 3, hidden: int = 16) -> list[SampleRecord]:
@@ -69,44 +69,15 @@ def test_num_threads_is_checked(tmp_path):
         DatasetWriter(str(tmp_path), {"layers": [0]}, num_threads=0)
 
 
-class _ManifestFillsUp:
-    """Stands in for the writer module's `os`: the `fail_at`-th append to the manifest writes half its
-    bytes, then fails as a full disk would."""
-
-    def __init__(self, fail_at: int) -> None:
-        self.fail_at = fail_at
-        self.appends = 0
-        self.manifest_fds: set[int] = set()
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-    def open(self, path, flags, mode=0o777):
-        fd = os.open(path, flags, mode)
-        if os.path.basename(path) == "manifest.jsonl":
-            self.manifest_fds.add(fd)
-        return fd
-
-    def close(self, fd):
-        self.manifest_fds.discard(fd)
-        os.close(fd)
-
-    def write(self, fd, data):
-        if fd in self.manifest_fds:
-            self.appends += 1
-            if self.appends == self.fail_at:
-                os.write(fd, bytes(data[:len(data) // 2]))
-                raise OSError(errno.ENOSPC, "No space left on device")
-        return os.write(fd, data)
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("shard_size", [1, 3])
 def test_failed_manifest_append_leaves_whole_lines_and_the_true_count(tmp_path, monkeypatch, seed, shard_size):
     import pellucid.extraction.writer as writer_module
 
     records = _records(seed, 15)
-    monkeypatch.setattr(writer_module, "os", _ManifestFillsUp(fail_at=3))
+    # The third append to the manifest (and any later one) fails half written.
+    manifest = (lambda path: os.path.basename(path) == "manifest.jsonl")
+    monkeypatch.setattr(writer_module, "os", DiskFillsUp(2, manifest))
     writer = DatasetWriter(str(tmp_path), {"layers": [0, 1, 2]}, shard_size=shard_size, num_threads=3)
     try:
         for r in records:
