@@ -395,7 +395,9 @@ class DatasetWriter:
             if not batch:
                 return
             if self._manifest_broken:
-                return      # its end may hold a partial line, which the next line would turn into garbage
+                # Its end may hold a partial line, which the next line would turn into garbage.
+                raise OSError(f"{MANIFEST} could not be cut back to whole lines after a failed append; no "
+                              f"more samples are listed until the job is rerun (which repairs it)")
             _fsync_dir(self.output_dir)
             self._append_to_manifest(("\n".join(line for _, lines, _ in batch for line in lines) + "\n").encode())
             self.files_written.extend(name for name, _, _ in batch)
