@@ -230,13 +230,21 @@ def job_info(model_name: str, model_dir: str, dtype: str, spec: ExtractionSpec, 
 
 
 def _finish(job: ExtractionJob, started: float, failure: BaseException | None) -> ExtractionSummary:
-    """Close the writer (writes buffered complete samples even when the job failed)."""
+    """Close the writer (writes buffered complete samples even when the job failed).
+
+    A writer's I/O error stops the job where it is noticed (`add`) while other writer threads may still be
+    committing files; `close` waits for them and raises the same error again with the final sample count.
+    That report replaces the first one (raised from here, inside the driver's `finally`), so the error is
+    reported once, with the true count."""
     try:
         job.writer.close()
-    except ExtractionError:
+    except ExtractionError as exc:
         if failure is None:
             raise
-        logger.error("closing the writer after a failure also failed", exc_info=True)
+        if isinstance(failure, ExtractionError) and failure.__cause__ is not None \
+                and failure.__cause__ is job.writer.error:
+            raise exc from job.writer.error
+        logger.error("after the job failed (%s), closing the writer failed too: %s", failure, exc)
     return ExtractionSummary(job.writer.output_dir, job.num_samples, job.num_tokens, job.num_already_done,
                              time.monotonic() - started, list(job.writer.files_written), dict(job.invalid))
 

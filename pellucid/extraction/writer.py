@@ -206,6 +206,7 @@ class DatasetWriter:
         self._renamed: list[tuple[str, list[str], int]] = []
         self._renamed_lock = threading.Lock()
         self._commit_lock = threading.Lock()
+        self._manifest_broken = False      # a failed append could not be cut off: commit nothing more
         self.files_written: list[str] = []
         self.num_samples_written = 0
         self._queue: queue.Queue[tuple[str, list[SampleRecord]] | None] | None = None
@@ -300,9 +301,14 @@ class DatasetWriter:
                 self._submit(self._buffer)
                 self._buffer = []
 
+    @property
+    def error(self) -> BaseException | None:
+        """The first I/O error of a writer thread (what `add` and `close` raise as ExtractionError), or None."""
+        return self._error
+
     def close(self) -> None:
         """Write what is buffered, wait for the writer threads, release the directory. Raises the first
-        I/O error if there was one."""
+        I/O error if there was one; its sample count is final then (no thread commits any more)."""
         try:
             if self._error is None:
                 self.flush()
@@ -388,10 +394,31 @@ class DatasetWriter:
                 batch, self._renamed = self._renamed, []
             if not batch:
                 return
+            if self._manifest_broken:
+                # Its end may hold a partial line, which the next line would turn into garbage.
+                raise OSError(f"{MANIFEST} could not be cut back to whole lines after a failed append; no "
+                              f"more samples are listed until the job is rerun (which repairs it)")
             _fsync_dir(self.output_dir)
-            with open(os.path.join(self.output_dir, MANIFEST), "ab") as f:
-                f.write(("\n".join(line for _, lines, _ in batch for line in lines) + "\n").encode())
-                f.flush()
-                os.fsync(f.fileno())
+            self._append_to_manifest(("\n".join(line for _, lines, _ in batch for line in lines) + "\n").encode())
             self.files_written.extend(name for name, _, _ in batch)
             self.num_samples_written += sum(count for _, _, count in batch)
+
+    def _append_to_manifest(self, data: bytes) -> None:
+        """Append whole lines and fsync. A failed append is cut back off, so the manifest lists exactly the
+        samples counted; the renamed files of those lines are then unreferenced, and a rerun removes them."""
+        fd = os.open(os.path.join(self.output_dir, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException:
+                try:
+                    os.ftruncate(fd, start)
+                except OSError:
+                    self._manifest_broken = True
+                raise
+        finally:
+            os.close(fd)

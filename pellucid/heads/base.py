@@ -14,7 +14,11 @@ class LMHead(ABC):
     """Chosen by `HeadConfig.name`, built by the runner from the model's `lm_head` weight.
 
     `compute_logits` must be exact (full vocabulary); `sample` may be approximate (FlashHead) but then
-    must route rows that need exact logits (logprobs, penalties, tracing) through `compute_logits`.
+    must route the rows that need exact logits (`SamplingMetadata.full_vocab_rows`) through
+    `compute_logits`, row by row: a row's path, like its draws, must not depend on its batch-mates. Logits
+    over some tokens only go to the sampler with their token ids (`column_token_ids`), and a head's own
+    random draws for a seeded row come from `sampler.step_generator(seed, HEAD_STREAM, ...)`, so a seeded
+    row's token depends on its seed, step and distribution only.
     """
 
     name: str = ""

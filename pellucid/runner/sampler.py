@@ -2,7 +2,8 @@
 
 Stages run in the order vLLM applies them, each skipped when SamplingMetadata's host flags say no row
 needs it: banned tokens (min_tokens), penalties, greedy argmax, temperature, min-p, top-k, top-p, then
-the exponential race. Everything stays on the logits' device; the only host work is turning the
+the exponential race (per-token noise that a seeded row draws from its own generators, see
+exponential_noise). Everything stays on the logits' device; the only host work is turning the
 metadata's Python lists (penalty histories, banned ids) into tensors, copied with `non_blocking=True`.
 """
 from __future__ import annotations
@@ -102,17 +103,40 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def exponential_noise(shape: torch.Size, device: torch.device,
-                      generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exp(1) noise; seeded rows draw from their own generator so their draw never depends on the batch."""
+# A seeded row's draws in one step come from one generator per purpose, each seeded from the row's step
+# seed (SamplingMetadata.seeds), so that what one purpose draws, or whether it draws at all (a head's path
+# may skip it), never shifts another purpose's draws.
+SAMPLER_STREAM = 0   # the sampler's exponential race over the vocabulary
+HEAD_STREAM = 1      # an LM head's own draws (FlashHead's cluster draw)
+
+
+def step_generator(seed: int, stream: int, device: torch.device) -> torch.Generator:
+    """The generator of one purpose (stream) of a seeded row's step. Step seeds are < 2**62, so distinct
+    streams never share a seed."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed + stream * 2**62)
+    return generator
+
+
+def exponential_noise(shape: torch.Size, device: torch.device, seeds: dict[int, int], stream: int,
+                      column_ids: torch.Tensor | None = None, domain_size: int | None = None) -> torch.Tensor:
+    """Exp(1) noise [R, K]; unseeded rows draw from the global generator.
+
+    A seeded row's noise at column k is draw k of its stream's generator, or, when `column_ids` [R, K] names
+    which of `domain_size` items each column holds (a head's candidate tokens), draw column_ids[r, k]: an
+    item gets the same draw whichever columns the row's logits have, so the row's result is a function of
+    its seed, step and distribution only. Columns with a negative id (padding) get some draw.
+    """
     noise = torch.empty(shape, dtype=torch.float32, device=device)
-    if len(generators) < shape[0]:
+    if len(seeds) < shape[0]:
         noise.exponential_()
-    for row, generator in generators.items():
-        if generator.device.type != device.type:
-            raise ValueError(f"row {row}'s generator lives on {generator.device} but the logits on {device}; "
-                             "build_sampling_metadata makes device generators")
-        noise[row].exponential_(generator=generator)
+    size = shape[1] if column_ids is None else domain_size
+    if seeds and size is None:
+        raise ValueError("exponential_noise over named columns needs the size of their domain")
+    for row, seed in seeds.items():
+        drawn = torch.empty(size, dtype=torch.float32, device=device)
+        drawn.exponential_(generator=step_generator(seed, stream, device))
+        noise[row] = drawn if column_ids is None else drawn.index_select(0, column_ids[row].clamp_min(0))
     # A zero draw would turn a masked token's 0 probability into 0/0 = NaN, which argmax prefers.
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
@@ -136,38 +160,65 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Lo
     return _gather_from_logprobs(torch.log_softmax(logits.float(), dim=1), token_ids, k)
 
 
+def _check_columns(logits: torch.Tensor, metadata: SamplingMetadata, column_token_ids: torch.Tensor,
+                   vocab_size: int | None) -> None:
+    if column_token_ids.shape != logits.shape or vocab_size is None:
+        raise ValueError(f"column_token_ids must have the logits' shape {tuple(logits.shape)} and come with "
+                         f"vocab_size; got {tuple(column_token_ids.shape)} and {vocab_size}")
+    if metadata.max_num_logprobs is not None or not metadata.no_penalties or metadata.banned_token_ids:
+        raise ValueError("logprobs, penalties and banned tokens need logits over the whole vocabulary, "
+                         "not a head's candidate tokens")
+
+
+def _to_vocab_ids(columns: torch.Tensor, column_token_ids: torch.Tensor | None) -> torch.Tensor:
+    if column_token_ids is None:
+        return columns
+    return column_token_ids.gather(1, columns.to(torch.int64).unsqueeze(1)).squeeze(1)
+
+
 class Sampler:
     """`sampler(logits [R, V], metadata) -> SamplerOutput`; no device-to-host syncs inside.
 
     Logits come float32 or in the model's dtype: plain greedy takes their argmax as they are (the same
     first maximum as on a float32 copy); everything else computes on a float32 copy.
+
+    A head that computes logits for some tokens only (FlashHead's candidates) passes `column_token_ids`
+    [R, K] (column k of row r is that token; -1 padding, whose logit is -inf) and `vocab_size`: the result
+    is then vocabulary ids, and a seeded row draws the same noise per token as over the whole vocabulary.
+    Logprobs, penalties and banned tokens need every logit, so they refuse such logits.
     """
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata, column_token_ids: torch.Tensor | None = None,
+                 vocab_size: int | None = None) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
             raise ValueError(f"logits must be [R, V] with R = {metadata.temperature.shape[0]} rows, "
                              f"got {tuple(logits.shape)}")
+        if column_token_ids is not None:
+            _check_columns(logits, metadata, column_token_ids, vocab_size)
         if metadata.all_greedy and metadata.max_num_logprobs is None and metadata.no_penalties \
                 and not metadata.banned_token_ids:
             # Plain greedy: argmax on the logits as they are. A float32 copy of [R, V] bf16 logits would
             # cost more device memory traffic than the argmax itself, and picks the same (first) maximum.
-            return SamplerOutput(sampled_token_ids=greedy_argmax(logits))
+            return SamplerOutput(sampled_token_ids=_to_vocab_ids(greedy_argmax(logits), column_token_ids))
         logits = logits.float()
         # Logprobs are vLLM's default "raw" ones: the model's distribution before any processing.
         raw_logprobs = torch.log_softmax(logits, dim=1) if metadata.max_num_logprobs is not None else None
-        sampled = self.sample(logits, metadata)
+        sampled = _to_vocab_ids(self.sample(logits, metadata, column_token_ids, vocab_size), column_token_ids)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = _gather_from_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata, column_token_ids: torch.Tensor | None = None,
+               vocab_size: int | None = None) -> torch.Tensor:
+        """The sampled column of each row."""
         logits = self.penalized_logits(logits, metadata)
         greedy = None if metadata.all_random else greedy_argmax(logits)
         if metadata.all_greedy:
             return greedy
         probs = self.filtered_logits(logits, metadata).softmax(dim=1)
-        noise = exponential_noise(probs.shape, probs.device, metadata.generators)
+        noise = exponential_noise(probs.shape, probs.device, metadata.seeds, SAMPLER_STREAM,
+                                  column_token_ids, vocab_size)
         sampled = probs.div_(noise).argmax(dim=1)
         if greedy is None:
             return sampled

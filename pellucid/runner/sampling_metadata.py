@@ -1,6 +1,7 @@
 """Per-step sampling inputs for the rows that produce a token, and what the sampler returns."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -26,11 +27,34 @@ class SamplingMetadata:
     no_top_k: bool
     no_min_p: bool
     no_penalties: bool
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    # row -> this step's seed of a seeded random row, drawn once per step from the request's generator. Every
+    # draw the row makes this step comes from generators seeded with it (sampler.step_generator), so the
+    # draw depends on the request's seed, its step and its distribution only, never on the batch around it.
+    seeds: dict[int, int] = field(default_factory=dict)
     prompt_token_ids: list[list[int]] | None = None   # per row, for repetition penalty (None if no penalties)
     output_token_ids: list[list[int]] | None = None   # per row, for all penalties (None if no penalties)
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids masked (min_tokens)
     max_num_logprobs: int | None = None  # top-k alternatives to return (None: no logprobs)
+    # Rows whose result needs every logit of the vocabulary (they ask for logprobs, carry a penalty or have
+    # banned tokens), for heads that may serve the other rows approximately. None (metadata built by hand):
+    # every row when the batch has logprobs or penalties, the rows with banned tokens otherwise.
+    full_vocab_rows: list[int] | None = None
+
+    def subset(self, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
+        """The metadata of `rows` (ascending; `index` the same on the device), renumbered 0..len-1. The host
+        flags of the whole batch stay true for a subset, if sometimes more cautious than needed."""
+        renumber = {old: new for new, old in enumerate(rows)}
+        pick = (lambda lists: None if lists is None else [lists[r] for r in rows])
+        return dataclasses.replace(
+            self,
+            temperature=self.temperature[index], top_p=self.top_p[index], top_k=self.top_k[index],
+            min_p=self.min_p[index], presence_penalty=self.presence_penalty[index],
+            frequency_penalty=self.frequency_penalty[index], repetition_penalty=self.repetition_penalty[index],
+            seeds={renumber[r]: s for r, s in self.seeds.items() if r in renumber},
+            prompt_token_ids=pick(self.prompt_token_ids), output_token_ids=pick(self.output_token_ids),
+            banned_token_ids={renumber[r]: ids for r, ids in self.banned_token_ids.items() if r in renumber},
+            full_vocab_rows=None if self.full_vocab_rows is None else
+            [renumber[r] for r in self.full_vocab_rows if r in renumber])
 
 
 @dataclass
@@ -46,3 +70,26 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor          # [R] int64
     logprobs: LogprobsTensors | None = None
+
+
+def merge_sampler_outputs(num_rows: int, parts: list[tuple[torch.Tensor, SamplerOutput]]) -> SamplerOutput:
+    """One output for R rows from outputs of disjoint row subsets, each given with its rows' device index.
+    Logprobs, when some part has them, are as wide as the widest part's; rows of parts without logprobs (or
+    with fewer alternatives) are padded with token id -1 and logprob -inf (never read: those rows did not ask)."""
+    device = parts[0][1].sampled_token_ids.device
+    sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
+    for index, out in parts:
+        sampled[index] = out.sampled_token_ids.to(torch.int64)
+    with_logprobs = [(index, out.logprobs) for index, out in parts if out.logprobs is not None]
+    if not with_logprobs:
+        return SamplerOutput(sampled_token_ids=sampled)
+    width = max(lp.token_ids.shape[1] for _, lp in with_logprobs)
+    merged = LogprobsTensors(token_ids=torch.full((num_rows, width), -1, dtype=torch.int64, device=device),
+                             logprobs=torch.full((num_rows, width), float("-inf"), device=device),
+                             ranks=torch.zeros(num_rows, dtype=torch.int64, device=device))
+    for index, lp in with_logprobs:
+        k = lp.token_ids.shape[1]
+        merged.token_ids[index, :k] = lp.token_ids
+        merged.logprobs[index, :k] = lp.logprobs
+        merged.ranks[index] = lp.ranks
+    return SamplerOutput(sampled_token_ids=sampled, logprobs=merged)

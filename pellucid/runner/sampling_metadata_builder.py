@@ -17,20 +17,11 @@ _PACKED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", 
                   "repetition_penalty")
 
 
-def _row_generator(request: Request, device: torch.device) -> torch.Generator:
-    """The generator a seeded row draws from this step.
-
-    Requests keep a CPU generator. On CPU it is used as is; on another device each step seeds a fresh
-    device generator from the request's CPU generator, so the draw still depends only on the request's
-    seed and how many steps it has sampled, never on the batch around it.
-    """
+def _step_seed(request: Request) -> int:
+    """This step's seed of a seeded row: one draw from the request's CPU generator per step it samples, so
+    it depends only on the request's seed and how many tokens it has sampled, whatever the row's draws."""
     assert request.generator is not None
-    if device.type == "cpu":
-        return request.generator
-    step_seed = int(torch.randint(0, 2**62, (1,), generator=request.generator))
-    generator = torch.Generator(device=device)
-    generator.manual_seed(step_seed)
-    return generator
+    return int(torch.randint(0, 2**62, (1,), generator=request.generator))
 
 
 def _banned_token_ids(request: Request) -> list[int]:
@@ -82,10 +73,14 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
     banned = {}
     if any(p.min_tokens > 0 for p in kinds):
         banned = {row: ids for row, r in enumerate(requests) if (ids := _banned_token_ids(r))}
-    generators = {}
+    seeds = {}
     if any(p.seed is not None and not p.greedy for p in kinds):
-        generators = {row: _row_generator(r, device) for row, r in enumerate(requests)
-                      if r.generator is not None and not r.sampling_params.greedy}
+        seeds = {row: _step_seed(r) for row, r in enumerate(requests)
+                 if r.generator is not None and not r.sampling_params.greedy}
+    full_vocab_kinds = {id(p) for p in kinds if p.logprobs is not None or p.needs_penalties}
+    full_vocab_rows = set(banned)
+    if full_vocab_kinds:
+        full_vocab_rows.update(row for row, pid in enumerate(param_ids) if pid in full_vocab_kinds)
     requested_logprobs = [p.logprobs for p in kinds if p.logprobs is not None]
 
     return SamplingMetadata(
@@ -103,9 +98,10 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
         no_top_k=all(p.top_k == 0 for p in random_params),
         no_min_p=all(p.min_p == 0 for p in random_params),
         no_penalties=not needs_penalties,
-        generators=generators,
+        seeds=seeds,
         prompt_token_ids=prompt_ids,
         output_token_ids=output_ids,
         banned_token_ids=banned,
         max_num_logprobs=max(requested_logprobs) if requested_logprobs else None,
+        full_vocab_rows=sorted(full_vocab_rows),
     )

@@ -27,15 +27,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from pellucid.logger import get_logger
+from pellucid.runner.sampler import host_to_device
+from pellucid.runner.sampling_metadata import merge_sampler_outputs
 from pellucid.tracing.ops import LOGITS, TOKENS
 from pellucid.tracing.plan import TRACE_KEY, TracePlan, sorted_unique
 from pellucid.tracing.taps import Target, TapRuntime, TapUser, TargetTap, captured_tap, install_hooks
 
-logger = get_logger(__name__)
 
 _MODULES: "weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]]" = weakref.WeakKeyDictionary()
-_warned_heads: set[str] = set()
 
 
 @dataclass(slots=True)
@@ -74,7 +73,8 @@ class StepTrace:
         self.sample_rows = sample_rows          # batch row of each sampling request, in sampling order
         self.num_tokens = num_tokens
         self.runtime = runtime
-        self.sampling_logits: torch.Tensor | None = None
+        self.sampling_logits: torch.Tensor | None = None   # edited exact logits of the edited_samples rows
+        self.edited_samples = np.empty(0, dtype=np.int64)   # sampling rows whose logits an op edits
         self.taps: dict[Target, TargetTap] = {}
         self.per_request: dict[Target, list[_Traced]] = {}
         self._graph = False
@@ -287,13 +287,14 @@ class StepTrace:
         return any(not t.plan.failed for t in self._logit_editors)
 
     def apply_logits_ops(self, head: Any, hidden: torch.Tensor) -> None:
-        """Exact logits for the rows that logits ops select (plus every sampling row when an op edits
-        logits, so the edit reaches the sampler), then the ops on them."""
+        """Exact logits for the rows that logits ops select (plus the sampling rows of the requests whose
+        ops edit logits, so the edit reaches the sampler), then the ops on them."""
         users = self._up_to_date([t for t in self._logits_users if not t.plan.failed])
         if not users:
             return
-        edits = self.has_logit_edits
-        wanted = [self.sample_rows] if edits else []
+        edited = sorted_unique(np.asarray([t.sample_index for t in self._logit_editors
+                                           if not t.plan.failed and t.sample_index is not None], dtype=np.int64))
+        wanted = [self.sample_rows[edited]] if edited.size else []
         for t in users:
             for op_index in t.plan.ops_at(LOGITS):
                 positions, _ = t.selection(op_index)
@@ -305,18 +306,25 @@ class StepTrace:
         index_of_row = np.full(self.num_tokens, -1, dtype=np.int64)
         index_of_row[rows] = np.arange(rows.size)
         self._run_ops(LOGITS, "output", logits, users, index_of_row, copy_on_edit=False)
-        if edits and self.sample_rows.size:
-            self.sampling_logits = logits[_row_index(index_of_row[self.sample_rows], logits.device)]
+        if edited.size:
+            self.edited_samples = edited
+            self.sampling_logits = logits[_row_index(index_of_row[self.sample_rows[edited]], logits.device)]
 
     def sample(self, head: Any, sampler: Any, hidden_rows: torch.Tensor, sampling: Any) -> Any:
-        """Sample the step's rows: from the edited exact logits when a logits op edited them, else by the head."""
+        """Sample the step's rows: those whose logits an op edited from the edited exact logits, the others
+        by the head, as they would be without the edits (a row's tokens never depend on its batch-mates)."""
         if self.sampling_logits is None:
             return head.sample(hidden_rows, sampling, sampler)
-        if head.name not in _warned_heads and head.name != "dense":
-            _warned_heads.add(head.name)
-            logger.info("a logits edit is active: steps that carry one sample every row from exact logits "
-                        "instead of the %s head's sampler", head.name)
-        return sampler(self.sampling_logits, sampling)
+        num_rows = hidden_rows.shape[0]
+        if len(self.edited_samples) == num_rows:
+            return sampler(self.sampling_logits, sampling)
+        edited = self.edited_samples.tolist()
+        others = np.setdiff1d(np.arange(num_rows), self.edited_samples).tolist()
+        edited_index = host_to_device(edited, torch.int64, hidden_rows.device)
+        others_index = host_to_device(others, torch.int64, hidden_rows.device)
+        edited_out = sampler(self.sampling_logits, sampling.subset(edited, edited_index))
+        others_out = head.sample(hidden_rows[others_index], sampling.subset(others, others_index), sampler)
+        return merge_sampler_outputs(num_rows, [(edited_index, edited_out), (others_index, others_out)])
 
     def record_tokens(self, sampled_token_ids: torch.Tensor) -> None:
         """`tokens` saves: the id sampled at the request's last row this step, stored at that row's position."""

@@ -84,17 +84,25 @@ def test_eos_ends_generation(llm):
 def test_stop_string_spanning_tokens_is_trimmed_exactly(llm, seed):
     tok = llm.get_tokenizer()
     prompt = "The quick brown fox"
-    base = llm.generate([prompt], SamplingParams(temperature=0.7, seed=seed, max_tokens=40, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
-    pieces = [tok.decode(base.token_ids[:i]) for i in range(len(base.token_ids) + 1)]
-    text = base.text
-    assert text == pieces[-1]
-    # a stop string made of the last character of one token's text and the first of the next one's
-    boundary = next(i for i in range(2, len(pieces) - 1)
-                    if pieces[i].startswith(pieces[i - 1]) and pieces[i + 1].startswith(pieces[i])
-                    and len(pieces[i - 1]) >= 1 and len(pieces[i]) > len(pieces[i - 1])
-                    and "\ufffd" not in pieces[i][len(pieces[i - 1]) - 1:len(pieces[i - 1]) + 1]
-                    and "\ufffd" not in pieces[i - 1])
+
+    def spanning_boundary(sample_seed: int):
+        """(text, its prefixes token by token, a token index where a stop string can span two tokens) or None."""
+        base = llm.generate([prompt], SamplingParams(temperature=0.7, seed=sample_seed, max_tokens=40,
+                                                     ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        pieces = [tok.decode(base.token_ids[:i]) for i in range(len(base.token_ids) + 1)]
+        if base.text != pieces[-1]:
+            return None   # a special token, which the output text skips: the pieces would not line up
+        # a stop string made of the last character of one token's text and the first of the next one's
+        found = next((i for i in range(2, len(pieces) - 1)
+                      if pieces[i].startswith(pieces[i - 1]) and pieces[i + 1].startswith(pieces[i])
+                      and len(pieces[i - 1]) >= 1 and len(pieces[i]) > len(pieces[i - 1])
+                      and "\ufffd" not in pieces[i][len(pieces[i - 1]) - 1:len(pieces[i - 1]) + 1]
+                      and "\ufffd" not in pieces[i - 1]), None)
+        return None if found is None else (base.text, pieces, found)
+
+    # The first seed (from this one on) whose sample has such a boundary; random bytes often have none.
+    seed, (text, pieces, boundary) = next((s, found) for s in range(seed * 100, seed * 100 + 50)
+                                          if (found := spanning_boundary(s)) is not None)
     start = len(pieces[boundary - 1]) - 1
     stop = text[start:start + 2]
     expected = text[:text.find(stop)]

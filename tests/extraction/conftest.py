@@ -1,6 +1,9 @@
 """Shared helpers for the extraction tests: tiny engines and transformers references."""
 from __future__ import annotations
 
+import errno
+import os
+import threading
 from typing import Any, Callable
 
 import pytest
@@ -61,3 +64,37 @@ def expected_states(ref: dict[str, Any], layers: list[int]) -> torch.Tensor:
     layer), -1 the final normed output."""
     cols = [ref["final"] if layer == -1 else ref["layers"][layer] for layer in layers]
     return torch.stack(cols, dim=1)
+
+
+class DiskFillsUp:
+    """Stands in for the `os` module in the writer: the files opened after the first `files_ok` whose path
+    `matches` fail half written, as on a disk that filled up (counted by opens, so concurrent writer
+    threads cannot slip one past)."""
+
+    def __init__(self, files_ok: int, matches: Callable[[str], bool]) -> None:
+        self.files_ok, self.matches = files_ok, matches
+        self.started = 0
+        self.failing: set[int] = set()
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def open(self, path, flags, mode=0o777):
+        fd = os.open(path, flags, mode)
+        if self.matches(path):
+            with self.lock:
+                self.started += 1
+                if self.started > self.files_ok:
+                    self.failing.add(fd)
+        return fd
+
+    def close(self, fd):
+        self.failing.discard(fd)
+        os.close(fd)
+
+    def write(self, fd, data):
+        if fd in self.failing:
+            os.write(fd, bytes(data[:len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.write(fd, data)

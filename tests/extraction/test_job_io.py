@@ -1,10 +1,8 @@
 """Output format, resume, and bad input: clear errors, nothing written lost or corrupted, resumable."""
 from __future__ import annotations
 
-import errno
 import json
 import os
-import threading
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from safetensors import safe_open
 
 from pellucid.extraction import ExtractionError, HiddenStatesDataset, read_manifest
 from pellucid.extraction.writer import model_fingerprint
-from tests.extraction.conftest import random_prompts, relative_error
+from tests.extraction.conftest import DiskFillsUp, random_prompts, relative_error
 
 LAYERS = [0, 2, -1]
 
@@ -103,45 +101,14 @@ def test_restart_repairs_what_a_killed_job_left(llm, reference, tmp_path):
     _assert_complete_and_equal(tmp_path, ref_dir, records)
 
 
-class _DiskFillsUp:
-    """Stands in for the `os` module in the writer: every data file after the first `files_ok` started
-    fails half written (counted by starts, so concurrent writer threads cannot slip one past)."""
-
-    def __init__(self, files_ok: int) -> None:
-        self.files_ok = files_ok
-        self.started = 0
-        self.failing: set[int] = set()
-        self.lock = threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-    def open(self, path, flags, mode=0o777):
-        fd = os.open(path, flags, mode)
-        if ".safetensors." in path and path.endswith(".tmp"):
-            with self.lock:
-                self.started += 1
-                if self.started > self.files_ok:
-                    self.failing.add(fd)
-        return fd
-
-    def close(self, fd):
-        self.failing.discard(fd)
-        os.close(fd)
-
-    def write(self, fd, data):
-        if fd in self.failing:
-            os.write(fd, bytes(data[:len(data) // 2]))
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return os.write(fd, data)
-
-
 @pytest.mark.parametrize("shard_size", [1, 3])
 def test_disk_full_midway_then_resume(llm, reference, tmp_path, monkeypatch, shard_size):
     import pellucid.extraction.writer as writer_module
 
     records, ref_dir = reference
-    monkeypatch.setattr(writer_module, "os", _DiskFillsUp(files_ok=2))
+    # Data files fail half written from the third on.
+    data_file = (lambda path: ".safetensors." in path and path.endswith(".tmp"))
+    monkeypatch.setattr(writer_module, "os", DiskFillsUp(2, data_file))
     with pytest.raises(ExtractionError, match="disk is full") as info:
         llm.extract_hidden_states(records, layers=LAYERS, output_dir=str(tmp_path), shard_size=shard_size,
                                   progress=False)

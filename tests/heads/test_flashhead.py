@@ -2,6 +2,8 @@
 and the rule that rows needing full-vocabulary logits go through the dense head."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -61,11 +63,53 @@ def test_clustering_is_balanced_and_covers_every_token_once(seed):
     assert result.mean_similarity > random_sim + 0.05
 
 
-def test_resolve_shape_rejects_clusters_that_would_be_empty():
+def test_resolve_shape_takes_either_size_and_refuses_disagreeing_pairs():
+    assert resolve_shape(500, None, None) == (32, 16)
     assert resolve_shape(500, None, 16) == (32, 16)
     assert resolve_shape(500, 32, None) == (32, 16)
+    assert resolve_shape(500, 40, None) == (40, 13)
+    assert resolve_shape(500, 1, None) == (1, 500) and resolve_shape(500, 500, None) == (500, 1)
     with pytest.raises(ValueError, match="use 32 clusters"):
         resolve_shape(500, 40, 16)
+    for clusters in (0, 501):
+        with pytest.raises(ValueError, match=r"clusters must be in \[1, vocab_size=500\]"):
+            resolve_shape(500, clusters, None)
+    with pytest.raises(ValueError, match="cluster_size must be >= 1"):
+        resolve_shape(500, None, 0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_any_number_of_clusters_is_balanced_and_covers_every_token_once(seed):
+    """--clusters C for any C in [1, V]: C clusters, none empty, sizes as even as needed to leave none
+    empty (all S when the spare slots are fewer than S, else ceil or floor of V / C), every token once."""
+    rng = torch.Generator().manual_seed(seed)
+    vocab = int(torch.randint(50, 400, (1,), generator=rng))
+    weight = torch.randn(vocab, 24, generator=rng)
+    choices = {1, vocab, int(torch.randint(2, vocab, (1,), generator=rng)), vocab // 3 + 1, vocab // 7 + 2}
+    for clusters in sorted(choices):
+        result = balanced_spherical_kmeans(weight, clusters=clusters, iterations=2, seed=seed, device="cpu",
+                                           progress=False)
+        size = -(-vocab // clusters)
+        assert result.token_ids.shape == (clusters, size), clusters
+        real = result.token_ids[result.token_ids != PAD_TOKEN]
+        assert torch.equal(real.sort().values, torch.arange(vocab)), clusters
+        counts = (result.token_ids != PAD_TOKEN).sum(dim=1)
+        assert bool((counts >= 1).all()), clusters
+        if clusters * size - vocab >= size:       # many spare slots: the sizes are as even as possible
+            assert set(counts.tolist()) <= {vocab // clusters, vocab // clusters + 1}, clusters
+        assert torch.isfinite(result.centroids).all()
+
+
+@pytest.mark.parametrize("probes", ["12", 12.7, 12.0, True, None, [12]])
+def test_probes_must_be_an_integer(tmp_path, probes):
+    torch.manual_seed(0)
+    weight = torch.randn(300, 32)
+    clustering = balanced_spherical_kmeans(weight, cluster_size=16, iterations=1, device="cpu", progress=False)
+    path = save_asset(str(tmp_path / "a.safetensors"), clustering, weight)
+    with pytest.raises(ValueError, match=r"probes must be an integer in \[1, 19\].*got " + re.escape(repr(probes))):
+        FlashHead(weight, {"asset": path, "probes": probes})
+    import numpy as np
+    assert FlashHead(weight, {"asset": path, "probes": np.int64(12)}).probes == 12     # any integer type
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -153,8 +197,8 @@ def test_seeded_rows_reproduce(tmp_path):
     head = make_head(tmp_path, weight, cluster_size=8, probes=3)
 
     def run() -> torch.Tensor:
-        gens = {r: torch.Generator().manual_seed(1234 + r) for r in range(8)}
-        return head.sample(hidden, make_metadata(8, 1.0, generators=gens), Sampler()).sampled_token_ids
+        seeds = {r: 1234 + r for r in range(8)}
+        return head.sample(hidden, make_metadata(8, 1.0, seeds=seeds), Sampler()).sampled_token_ids
 
     first, second = run(), run()
     assert torch.equal(first, second)
@@ -235,7 +279,7 @@ def test_build_head_standalone_uses_default_asset_in_model_dir(tmp_path):
     assert (info["name"], info["clusters"], info["cluster_size"], info["probes"]) == ("flashhead", 19, 16, 5)
     with pytest.raises(ValueError, match="unknown flashhead option"):
         build_head("flashhead", weight, {"probe": 5}, str(tmp_path))
-    with pytest.raises(ValueError, match="probes must be in"):
+    with pytest.raises(ValueError, match="probes must be an integer in"):
         build_head("flashhead", weight, {"probes": 20}, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="flashhead build"):
         build_head("flashhead", weight, {}, str(tmp_path / "elsewhere"))

@@ -154,6 +154,60 @@ def test_seeded_request_is_reproducible_and_seed_dependent() -> None:
     assert tokens(5) != tokens(6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_seeded_draw_is_per_token_whatever_the_logits_columns(seed: int, device: str) -> None:
+    """A head may hand the sampler logits over candidate tokens in any order, with padding (FlashHead). A
+    seeded row then draws the same noise per token as over the whole vocabulary: when the candidates hold
+    every token its sampled token is the same; when they hold the tokens its filters keep, too."""
+    rng = torch.Generator().manual_seed(seed)
+    params = [SamplingParams(temperature=1.0, seed=seed * 10 + 1), SamplingParams(temperature=0.6, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.4, min_p=0.05, seed=3), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, top_k=6, seed=4)]
+    logits = random_logits(len(params), rng, scale=0.7)
+    # Every token once, shuffled per row, plus padding columns (id -1, logit -inf).
+    pad = 13
+    order = torch.stack([torch.randperm(VOCAB, generator=rng) for _ in params])
+    ids = torch.cat([order, torch.full((len(params), pad), -1)], dim=1)
+    permuted = torch.cat([logits.gather(1, order), torch.full((len(params), pad), float("-inf"))], dim=1)
+
+    def sample(columns: torch.Tensor, column_ids: torch.Tensor | None) -> list[int]:
+        requests = [make_request(f"r{i}", p, torch.Generator().manual_seed(0)) for i, p in enumerate(params)]
+        out = sampler(columns.to(device), build_sampling_metadata(requests, device),
+                      column_token_ids=None if column_ids is None else column_ids.to(device), vocab_size=VOCAB)
+        return out.sampled_token_ids.cpu().tolist()
+
+    full = sample(logits, None)
+    assert sample(permuted, ids) == full
+    # The top-k row over a subset that holds its top 6 tokens (and 20 random others) samples the same.
+    top = logits[4].topk(6).indices
+    rest = torch.tensor([t for t in torch.randperm(VOCAB, generator=rng).tolist() if t not in top.tolist()][:20])
+    subset_ids = torch.cat([rest[:10], top, rest[10:]]).unsqueeze(0)
+    row = [SamplingParams(temperature=1.0, top_k=6, seed=4)]
+    requests = [make_request("r", row[0], torch.Generator().manual_seed(0))]
+    got = sampler(logits[4:5].gather(1, subset_ids).to(device), build_sampling_metadata(requests, device),
+                  column_token_ids=subset_ids.to(device), vocab_size=VOCAB).sampled_token_ids.cpu().tolist()
+    assert got == [full[4]]
+    # Unseeded rows stay random: two calls differ somewhere over many rows.
+    many = [make_request(f"u{i}", SamplingParams(temperature=1.0), rng) for i in range(50)]
+    wide = random_logits(50, rng, scale=0.2).to(device)
+    assert sampler(wide, build_sampling_metadata(many, device)).sampled_token_ids.tolist() != \
+        sampler(wide, build_sampling_metadata(many, device)).sampled_token_ids.tolist()
+
+
+def test_candidate_columns_refuse_what_needs_the_whole_vocabulary() -> None:
+    rng = torch.Generator().manual_seed(0)
+    ids = torch.arange(8).unsqueeze(0)
+    for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(temperature=1.0, presence_penalty=1.0),
+                   SamplingParams(temperature=1.0, min_tokens=2)):
+        metadata = build_sampling_metadata([make_request("r", params, rng)], "cpu")
+        with pytest.raises(ValueError, match="whole vocabulary"):
+            sampler(torch.randn(1, 8), metadata, column_token_ids=ids, vocab_size=VOCAB)
+    metadata = build_sampling_metadata([make_request("r", SamplingParams(temperature=1.0), rng)], "cpu")
+    with pytest.raises(ValueError, match="vocab_size"):
+        sampler(torch.randn(1, 8), metadata, column_token_ids=ids)
+
+
 def _chi_square_p(logits: torch.Tensor, draws: torch.Tensor, temperature: float, allowed: set[int]) -> float:
     probs = torch.softmax(logits.double() / temperature, dim=0)
     mask = torch.zeros_like(probs, dtype=torch.bool)
@@ -349,14 +403,17 @@ def test_builder_collects_params_and_flags() -> None:
     assert not metadata.all_greedy and not metadata.all_random
     # The greedy row's top-k/top-p never matter, so no random row needs those stages.
     assert metadata.no_top_k and metadata.no_top_p and not metadata.no_min_p and not metadata.no_penalties
-    assert list(metadata.generators) == [1] and metadata.generators[1] is requests[1].generator
+    # One step seed per seeded random row, drawn from the request's own generator (seeded with 3).
+    first_draw = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(3)))
+    assert metadata.seeds == {1: first_draw}
+    assert metadata.full_vocab_rows == [1, 2]   # logprobs (b), logprobs and a penalty (c)
     assert metadata.output_token_ids == [[], [], requests[2].output_token_ids]
     assert metadata.prompt_token_ids == [[], [], []]  # no row has a repetition penalty
     assert metadata.max_num_logprobs == 4 and metadata.banned_token_ids == {}
 
     plain = build_sampling_metadata([make_request("d", SamplingParams(temperature=0.0), rng)], "cpu")
     assert plain.all_greedy and plain.no_penalties and plain.prompt_token_ids is None
-    assert plain.max_num_logprobs is None and plain.generators == {}
+    assert plain.max_num_logprobs is None and plain.seeds == {} and plain.full_vocab_rows == []
 
 
 def test_penalties_without_histories_raise() -> None:

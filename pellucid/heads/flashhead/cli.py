@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -75,11 +76,24 @@ def _device(name: str) -> torch.device:
     return torch.device(resolve_device(name))
 
 
+def reports_errors(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A subcommand whose bad arguments or files (ValueError, OSError) print one `error:` line and exit 1."""
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return wrapped
+
+
+@reports_errors
 def run_build(args: argparse.Namespace) -> int:
     from pellucid.heads.flashhead.asset import ASSET_DIRNAME, save_asset
-    from pellucid.heads.flashhead.clustering import balanced_spherical_kmeans
+    from pellucid.heads.flashhead.clustering import balanced_spherical_kmeans, resolve_shape
 
     weight = read_head_weight(args.model)
+    resolve_shape(weight.shape[0], args.clusters, args.cluster_size)    # before any work
     device = _device(args.device)
     start = time.perf_counter()
     clustering = balanced_spherical_kmeans(weight, clusters=args.clusters, cluster_size=args.cluster_size,
@@ -109,6 +123,7 @@ def _prompt_hidden_states(model_dir: str, prompts: list[str], device: torch.devi
     return torch.cat(states), model.get_output_embeddings().weight.detach()
 
 
+@reports_errors
 def run_eval(args: argparse.Namespace) -> int:
     from pellucid.config import resolve_dtype
     from pellucid.heads.flashhead.head import FlashHead
@@ -157,8 +172,11 @@ def add_flashhead_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
     build = commands.add_parser("build", help="cluster the model's head weights into a FlashHead asset")
     build.add_argument("model", help="HuggingFace-format model directory")
-    build.add_argument("--clusters", type=int, default=None, help="number of clusters C (default ceil(V / S))")
-    build.add_argument("--cluster-size", type=int, default=None, help="tokens per cluster S (default 16)")
+    build.add_argument("--clusters", type=int, default=None,
+                       help="number of clusters C, any in [1, V] (sizes as even as possible, at most ceil(V / C)); "
+                            "default ceil(V / S)")
+    build.add_argument("--cluster-size", type=int, default=None,
+                       help="slots per cluster S (default 16; C = ceil(V / S), fewer than S slots padding)")
     build.add_argument("--iterations", type=int, default=10, help="k-means iterations")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--out", default=None, help="output directory or .safetensors file "

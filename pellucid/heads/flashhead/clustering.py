@@ -7,7 +7,8 @@ best proposers up to its remaining room; the rejected propose again. Proposals c
 top-k most similar clusters, so one iteration costs one V x C x H matrix product (done in chunks) plus
 a few cheap rounds; tokens whose whole short list filled up are rescored against the open clusters only.
 
-C * S may exceed V by less than S: the spare slots become padding (token id -1), which the head masks.
+C * S may exceed V: the spare slots become padding (token id -1), which the head masks. Cluster sizes
+are bounded so that none can end up empty (cluster_capacities).
 """
 from __future__ import annotations
 
@@ -32,22 +33,34 @@ class Clustering:
 
 
 def resolve_shape(vocab_size: int, clusters: int | None, cluster_size: int | None) -> tuple[int, int]:
-    """(C, S) with C * S >= V and fewer than S padding slots, so no cluster can end up empty."""
-    if cluster_size is None and clusters is None:
-        cluster_size = 16
-    if cluster_size is None:
-        if clusters < 1 or clusters > vocab_size:
-            raise ValueError(f"clusters must be in [1, vocab_size={vocab_size}], got {clusters}")
-        cluster_size = math.ceil(vocab_size / clusters)
-    if cluster_size < 1:
+    """(C, S): C clusters stored in S slots each. Given S (default 16), C = ceil(V / S); given C, any C in
+    [1, V], S = ceil(V / C). Both given must agree (C = ceil(V / S))."""
+    if clusters is not None and not 1 <= clusters <= vocab_size:
+        raise ValueError(f"clusters must be in [1, vocab_size={vocab_size}], got {clusters}")
+    if cluster_size is not None and cluster_size < 1:
         raise ValueError(f"cluster_size must be >= 1, got {cluster_size}")
+    if cluster_size is None:
+        if clusters is not None:
+            return clusters, math.ceil(vocab_size / clusters)
+        cluster_size = 16
     needed = math.ceil(vocab_size / cluster_size)
-    if clusters is None:
-        clusters = needed
-    if clusters != needed:
+    if clusters is not None and clusters != needed:
         raise ValueError(f"{clusters} clusters of {cluster_size} tokens do not fit vocab_size={vocab_size} "
-                         f"without empty clusters; use {needed} clusters (ceil(vocab / cluster_size))")
-    return clusters, cluster_size
+                         f"without empty clusters; use {needed} clusters (ceil(vocab / cluster_size)), or give "
+                         f"only the number of clusters")
+    return needed, cluster_size
+
+
+def cluster_capacities(vocab_size: int, clusters: int, cluster_size: int) -> torch.Tensor:
+    """How many tokens each cluster may take [C]. When the C * S slots exceed V by fewer than S (always so
+    for C = ceil(V / S)), every cluster may fill all S and the assignment decides where the spare slots
+    go: no cluster can end up empty. Otherwise (a C chosen freely) the sizes are as even as possible,
+    ceil or floor of V / C, summing to V: at most one padding slot per cluster."""
+    if clusters * cluster_size - vocab_size < cluster_size:
+        return torch.full((clusters,), cluster_size, dtype=torch.int64)
+    capacities = torch.full((clusters,), vocab_size // clusters, dtype=torch.int64)
+    capacities[:vocab_size % clusters] += 1
+    return capacities
 
 
 def _top_candidates(rows: torch.Tensor, directions: torch.Tensor, k: int, chunk: int,
@@ -64,15 +77,15 @@ def _top_candidates(rows: torch.Tensor, directions: torch.Tensor, k: int, chunk:
     return torch.cat(scores_out), torch.cat(ids_out)
 
 
-def _balanced_assign(rows: torch.Tensor, directions: torch.Tensor, cluster_size: int,
+def _balanced_assign(rows: torch.Tensor, directions: torch.Tensor, capacities: torch.Tensor,
                      shortlist: int, chunk: int) -> torch.Tensor:
-    """Cluster id per row such that no cluster receives more than cluster_size rows."""
+    """Cluster id per row such that no cluster receives more rows than its capacity."""
     num_rows, num_clusters = rows.shape[0], directions.shape[0]
     device = rows.device
     k = min(shortlist, num_clusters)
     cand_scores, cand_ids = _top_candidates(rows, directions, k, chunk)
     assignment = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-    room = torch.full((num_clusters,), cluster_size, dtype=torch.int64, device=device)
+    room = capacities.to(device=device, copy=True)
     pending = torch.arange(num_rows, device=device)
     while pending.numel() > 0:
         scores = cand_scores[pending].masked_fill(room[cand_ids[pending]] <= 0, float("-inf"))
@@ -121,6 +134,7 @@ def balanced_spherical_kmeans(weight: torch.Tensor, clusters: int | None = None,
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     vocab_size = weight.shape[0]
     num_clusters, size = resolve_shape(vocab_size, clusters, cluster_size)
+    capacities = cluster_capacities(vocab_size, num_clusters, size)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     raw = weight.detach().to(device=device, dtype=torch.float32)
     rows = torch.nn.functional.normalize(raw, dim=1)
@@ -131,7 +145,7 @@ def balanced_spherical_kmeans(weight: torch.Tensor, clusters: int | None = None,
     assignment = torch.empty(0)
     bar = tqdm(range(iterations), desc=f"flashhead k-means C={num_clusters} S={size}", disable=not progress)
     for _ in bar:
-        assignment = _balanced_assign(rows, directions, size, shortlist, chunk)
+        assignment = _balanced_assign(rows, directions, capacities, shortlist, chunk)
         directions = _directions(rows, assignment, num_clusters)
         similarity = float((rows * directions[assignment]).sum(dim=1).mean())
         bar.set_postfix(similarity=f"{similarity:.4f}")

@@ -7,13 +7,20 @@ candidates. Sampled rows draw p clusters without replacement in proportion to so
 top-k and top-p over the candidates' exact logits.
 
 Rows whose result depends on the whole vocabulary go through the exact dense `compute_logits` and the
-sampler unchanged (see docs/flashhead.md): any logprobs, penalties, and banned tokens (min_tokens). So does
-a whole batch whose fast rows outnumber `max_fast_batch`, the measured size above which the dense head is
-faster on this GPU (crossover.py); the rule is logged at startup.
+sampler unchanged (see docs/flashhead.md): a row that asks for logprobs, carries a penalty or has banned
+tokens (min_tokens). That is decided per row: a row's path never depends on its batch-mates' parameters.
+When the fast rows of a step outnumber `max_fast_batch`, the measured size above which the dense head is
+faster on this GPU (crossover.py; the rule is logged at startup), the unseeded ones go dense too.
+
+A seeded row's draws are a function of its seed, step and distribution whichever path it takes: the
+sampler gives each vocabulary token the same noise whether the logits cover the whole vocabulary or the
+candidates only, and the cluster draw uses a stream of its own (runner/sampler.py), so with probes = C
+the fast path samples the very token the dense head would.
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import torch
@@ -25,8 +32,8 @@ from pellucid.heads.flashhead.crossover import measure_max_fast_batch
 from pellucid.heads.flashhead.asset import default_asset_path, load_asset, resolve_asset_path
 from pellucid.heads.flashhead.clustering import PAD_TOKEN
 from pellucid.logger import get_logger
-from pellucid.runner.sampler import exponential_noise, host_to_device
-from pellucid.runner.sampling_metadata import SamplerOutput, SamplingMetadata
+from pellucid.runner.sampler import HEAD_STREAM, exponential_noise, host_to_device
+from pellucid.runner.sampling_metadata import SamplerOutput, SamplingMetadata, merge_sampler_outputs
 
 logger = get_logger(__name__)
 
@@ -35,26 +42,21 @@ DEFAULT_PROBES = 256
 
 
 def rows_needing_dense(sampling: SamplingMetadata, num_rows: int) -> list[int]:
-    """Rows whose output depends on full-vocabulary logits. Logprobs and penalties are batch-level
-    facts on the host (which rows carry penalties lives only in device tensors), so they send every row."""
+    """Rows whose output depends on full-vocabulary logits (SamplingMetadata.full_vocab_rows). Metadata
+    built by hand may leave that unknown: then logprobs or penalties send every row."""
+    if sampling.full_vocab_rows is not None:
+        return list(sampling.full_vocab_rows)
     if sampling.max_num_logprobs is not None or not sampling.no_penalties:
         return list(range(num_rows))
     return sorted(row for row, ids in sampling.banned_token_ids.items() if ids)
 
 
-def subset_metadata(sampling: SamplingMetadata, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
-    """The metadata of `rows` (renumbered 0..len-1). The host `all_*`/`no_*` flags stay true for a subset."""
-    renumber = {old: new for new, old in enumerate(rows)}
-    pick = (lambda lists: None if lists is None else [lists[r] for r in rows])
-    return dataclasses.replace(
-        sampling,
-        temperature=sampling.temperature[index], top_p=sampling.top_p[index], top_k=sampling.top_k[index],
-        min_p=sampling.min_p[index], presence_penalty=sampling.presence_penalty[index],
-        frequency_penalty=sampling.frequency_penalty[index],
-        repetition_penalty=sampling.repetition_penalty[index],
-        generators={renumber[r]: g for r, g in sampling.generators.items() if r in renumber},
-        prompt_token_ids=pick(sampling.prompt_token_ids), output_token_ids=pick(sampling.output_token_ids),
-        banned_token_ids={renumber[r]: ids for r, ids in sampling.banned_token_ids.items() if r in renumber})
+def fast_rows_metadata(sampling: SamplingMetadata, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
+    """The metadata of rows that need no full-vocabulary logits: none asks for logprobs, carries a penalty
+    or has banned tokens, so the stages for those are off (the sampler refuses them on candidate logits)."""
+    return dataclasses.replace(sampling.subset(rows, index), no_penalties=True, prompt_token_ids=None,
+                               output_token_ids=None, banned_token_ids={}, max_num_logprobs=None,
+                               full_vocab_rows=[])
 
 
 class FlashHead(LMHead):
@@ -73,10 +75,13 @@ class FlashHead(LMHead):
         self.asset_path = resolve_asset_path(str(asset_path))
         asset = load_asset(self.asset_path, weight)
         self.num_clusters, self.cluster_size = asset.num_clusters, asset.cluster_size
-        self.probes = int(self.options.get("probes", min(DEFAULT_PROBES, self.num_clusters)))
-        if not 1 <= self.probes <= self.num_clusters:
-            raise ValueError(f"flashhead probes must be in [1, {self.num_clusters}] (the number of clusters), "
-                             f"got {self.probes}")
+        probes = self.options.get("probes", min(DEFAULT_PROBES, self.num_clusters))
+        # An integer only: "12", 12.7 or True would otherwise be coerced into some other setting.
+        if isinstance(probes, bool) or not isinstance(probes, numbers.Integral) \
+                or not 1 <= probes <= self.num_clusters:
+            raise ValueError(f"flashhead probes must be an integer in [1, {self.num_clusters}] (the number of "
+                             f"clusters), got {probes!r}")
+        self.probes = int(probes)
         device = weight.device
         stage1_dtype = self.options.get("stage1_dtype", "auto")
         self.stage1_dtype = weight.dtype if stage1_dtype == "auto" else resolve_dtype(stage1_dtype, "cuda")
@@ -142,8 +147,8 @@ class FlashHead(LMHead):
         temperature = sampling.temperature.float()
         greedy = temperature == 0
         scale = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature.clamp_min(1e-30))
-        gumbel = -torch.log(exponential_noise(torch.Size((num_rows, self.num_clusters)), device,
-                                              sampling.generators))
+        gumbel = -torch.log(exponential_noise(torch.Size((num_rows, self.num_clusters)), device, sampling.seeds,
+                                              HEAD_STREAM))
         if not sampling.all_random:
             gumbel = gumbel.masked_fill(greedy.unsqueeze(1), 0.0)
         return scale, gumbel
@@ -156,36 +161,36 @@ class FlashHead(LMHead):
     # ------------------------------------------------------------------------------------- sampling
 
     def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
+        """Each row takes the path its own needs choose: a row's tokens never depend on its batch-mates'
+        parameters (see docs/flashhead.md)."""
         num_rows = hidden.shape[0]
-        dense = rows_needing_dense(sampling, num_rows)
+        dense = set(rows_needing_dense(sampling, num_rows))
         if self.max_fast_batch is not None and num_rows - len(dense) > self.max_fast_batch:
-            dense = list(range(num_rows))   # past the measured crossover: the dense head is faster
+            # Past the measured crossover the dense head is faster, but a seeded row stays on its path:
+            # at probes < C the dense head's distribution is another one, and its draws with it.
+            dense.update(row for row in range(num_rows) if row not in sampling.seeds)
         if len(dense) == num_rows:
             self.rows_dense += num_rows
             return sampler(self.compute_logits(hidden), sampling)
         if not dense:
             self.rows_fast += num_rows
             return self._sample_fast(hidden, sampling, sampler)
-        dense_set = set(dense)
-        fast = [row for row in range(num_rows) if row not in dense_set]
-        self.rows_fast += len(fast)
-        self.rows_dense += len(dense)
-        fast_index = host_to_device(fast, torch.int64, hidden.device)
-        dense_index = host_to_device(dense, torch.int64, hidden.device)
-        fast_out = self._sample_fast(hidden[fast_index], subset_metadata(sampling, fast, fast_index), sampler)
-        dense_meta = subset_metadata(sampling, dense, dense_index)
-        dense_out = sampler(self.compute_logits(hidden[dense_index]), dense_meta)
-        sampled = torch.empty(num_rows, dtype=torch.int64, device=hidden.device)
-        sampled[fast_index] = fast_out.sampled_token_ids
-        sampled[dense_index] = dense_out.sampled_token_ids.to(torch.int64)
-        return SamplerOutput(sampled_token_ids=sampled)
+        dense_rows = sorted(dense)
+        fast_rows = [row for row in range(num_rows) if row not in dense]
+        self.rows_fast += len(fast_rows)
+        self.rows_dense += len(dense_rows)
+        fast_index = host_to_device(fast_rows, torch.int64, hidden.device)
+        dense_index = host_to_device(dense_rows, torch.int64, hidden.device)
+        fast_out = self._sample_fast(hidden[fast_index], fast_rows_metadata(sampling, fast_rows, fast_index),
+                                     sampler)
+        dense_out = sampler(self.compute_logits(hidden[dense_index]), sampling.subset(dense_rows, dense_index))
+        return merge_sampler_outputs(num_rows, [(fast_index, fast_out), (dense_index, dense_out)])
 
     def _sample_fast(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
         if sampling.all_greedy:
             return SamplerOutput(sampled_token_ids=self.greedy(hidden))
         token_ids, logits = self.candidates(hidden, sampling)
-        chosen = sampler(logits, sampling).sampled_token_ids
-        return SamplerOutput(sampled_token_ids=token_ids.gather(1, chosen.unsqueeze(1).to(torch.int64)).squeeze(1))
+        return sampler(logits, sampling, column_token_ids=token_ids, vocab_size=self.vocab_size)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "clusters": self.num_clusters, "cluster_size": self.cluster_size,
