@@ -176,10 +176,10 @@ def profile(prefill: Any, extract: Any, roots: list[str]) -> None:
     import pellucid.extraction.staging as staging_module
     import pellucid.extraction.writer as writer_module
     from pellucid.engine.engine_core import EngineCore
-    from pellucid.tracing.feature import Tracing
+    from pellucid.tracing.feature import EngineTracing
 
     timers = _Timers()
-    patches = [(Tracing, "after_step", "finalize saves (gather, D2H, stream sync)"),
+    patches = [(EngineTracing, "after_step", "finalize saves (gather, D2H, stream sync)"),
                (EngineCore, "step", "engine.step (main thread, includes finalize)"),
                (writer_module.DatasetWriter, "add", "writer.add (main thread, includes waiting for room)"),
                (staging_module.HostStager, "stage", "stage: queue GPU stack + D2H (main thread)"),

@@ -97,7 +97,7 @@ class PhaseTimer:
 
 
 def wrap_tracing_phases(timer: PhaseTimer) -> None:
-    from pellucid.tracing.feature import Tracing
+    from pellucid.tracing.feature import EngineTracing
     from pellucid.tracing.hooks import StepTrace
     from pellucid.tracing.taps import TargetTap
 
@@ -107,7 +107,7 @@ def wrap_tracing_phases(timer: PhaseTimer) -> None:
     timer.wrap(StepTrace, "apply_logits_ops", "StepTrace.apply_logits_ops")
     timer.wrap(StepTrace, "record_tokens", "StepTrace.record_tokens")
     timer.wrap(StepTrace, "finish_step", "StepTrace.finish_step")
-    timer.wrap(Tracing, "after_step", "Tracing.after_step (assemble saves)")
+    timer.wrap(EngineTracing, "after_step", "Tracing.after_step (assemble saves)")
 
 
 CLOCK = time.thread_time

@@ -84,7 +84,7 @@ class PhaseClock:
     def install(self, llm: LLM) -> None:
         import pellucid.runner.model_runner as model_runner_module
         import pellucid.tracing.plan as plan_module
-        from pellucid.tracing.feature import Tracing
+        from pellucid.tracing.feature import EngineTracing
         from pellucid.tracing.hooks import StepTrace
 
         core = llm.engine
@@ -104,7 +104,7 @@ class PhaseClock:
         self.wrap(runner, "_launch_sampling", "    head + sampler launch")
         self.wrap(runner, "collect", "  runner.collect (waits for the GPU)")
         self.wrap(core.scheduler, "update_from_output", "  update_from_output")
-        self.wrap(Tracing, "after_step", "  Tracing.after_step (finalize saves)")
+        self.wrap(EngineTracing, "after_step", "  Tracing.after_step (finalize saves)")
         self.wrap(plan_module, "_gather_group", "    _gather_group (assemble saves)")
         self.wrap(plan_module, "_to_host_per_save", "      _to_host_per_save (copy + sync)")
         self.wrap(llm.output_processor, "process", "  frontend output processing")

@@ -193,9 +193,15 @@ class AsyncLLM:
         self._on_loop(self._abort, request_id)
 
     async def call_utility(self, method: str, *args: Any) -> Any:
-        """Run one of the engine core's utilities (EngineCore.UTILITIES)."""
+        """Run one of the engine core's utilities (EngineCore.utility): "reset_prefix_cache", or a request
+        feature's "<key>.<name>"."""
         self._check_alive()
         return await self._client.call_utility_async(method, *args)
+
+    def call_utility_blocking(self, method: str, *args: Any) -> Any:
+        """call_utility for a thread other than the event loop's (it waits for the engine's answer)."""
+        self._check_alive()
+        return self._client.call_utility(method, *args)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine: requests in flight are aborted and their readers get EngineDeadError."""

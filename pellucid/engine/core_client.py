@@ -127,20 +127,21 @@ class InprocClient(EngineCoreClient):
         self._core.finish_requests(request_ids, reason, num_output_tokens)
 
     def get_outputs(self, timeout: float | None = None) -> EngineCoreOutputs:
-        if not self._core.has_unfinished_requests():
-            return EngineCoreOutputs()
-        return self._core.step()
+        core = self._core
+        if not core.has_unfinished_requests():
+            if not core.has_deferred_outputs():
+                return EngineCoreOutputs()
+            core.wait_deferred(timeout)     # only finished work off the step loop is left: wait for it
+        return core.step()
 
     def is_idle(self) -> bool:
-        return not self._core.has_unfinished_requests()
+        return not self.holds_work()
 
     def holds_work(self) -> bool:
-        return self._core.has_unfinished_requests()
+        return self._core.has_unfinished_requests() or self._core.has_deferred_outputs()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method not in EngineCore.UTILITIES:
-            raise ValueError(f"{method!r} is not an engine utility")
-        return getattr(self._core, method)(*args)
+        return self._core.utility(method)(*args)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._core.scheduler.has_unfinished_requests():

@@ -17,12 +17,15 @@ from pellucid.logger import get_logger
 
 logger = get_logger(__name__)
 
+_WAKE = object()     # an input that only ends the loop's wait
+
 
 class EngineCoreLoop:
     def __init__(self, core: EngineCore, inputs: "queue.Queue[Any]", emit: Callable[[EngineCoreOutputs], None]) -> None:
         self.core = core
         self.inputs = inputs
         self.emit = emit
+        core.wake = lambda: inputs.put(_WAKE)     # a deferred output became ready: step to report it
 
     def run(self) -> None:
         """Serve until a Shutdown arrives; then every request in flight is aborted and reported."""
@@ -44,7 +47,8 @@ class EngineCoreLoop:
         while True:
             if isinstance(item, Shutdown):
                 return False
-            self._apply(item)
+            if item is not _WAKE:
+                self._apply(item)
             try:
                 item = self.inputs.get_nowait()
             except queue.Empty:
@@ -67,13 +71,13 @@ class EngineCoreLoop:
             logger.error("the engine loop got an unknown input %r; ignored", type(item).__name__)
 
     def _call(self, call: UtilityCall) -> UtilityResult:
-        if call.method not in EngineCore.UTILITIES:
-            return UtilityResult(call.call_id, error=f"{call.method!r} is not an engine utility "
-                                                     f"(known: {', '.join(sorted(EngineCore.UTILITIES))})")
         try:
-            return UtilityResult(call.call_id, result=getattr(self.core, call.method)(*call.args))
+            method = self.core.utility(call.method)
+            return UtilityResult(call.call_id, result=method(*call.args))
+        except ValueError as exc:
+            return UtilityResult(call.call_id, error=str(exc))
         except Exception as exc:
-            logger.exception("engine utility %s failed", call.method)
+            logger.warning("engine utility %s failed: %s: %s", call.method, type(exc).__name__, exc)
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 
     def _step(self) -> None:

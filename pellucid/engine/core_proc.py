@@ -34,7 +34,7 @@ import zmq
 
 from pellucid.config import EngineConfig
 from pellucid.engine.core_client import BackgroundClient, EngineStartupError
-from pellucid.engine.messages import EngineCoreOutputs, EngineInput, EngineStats, Shutdown
+from pellucid.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInput, EngineStats, Shutdown
 from pellucid.engine.serial import MessageDecoder, MessageEncoder
 from pellucid.logger import get_logger
 
@@ -111,7 +111,10 @@ def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.E
                 continue
             frames = inputs.recv_multipart(copy=False)
             try:
-                input_queue.put(decoder.decode(frames))
+                message = decoder.decode(frames)
+                if isinstance(message, EngineCoreRequest):
+                    message = message.with_unpickled_extras()
+                input_queue.put(message)
             except Exception:
                 logger.exception("could not decode a message from the frontend; dropped")
         input_queue.put(Shutdown())     # SIGTERM: leave like a requested shutdown
@@ -196,6 +199,8 @@ class MPClient(BackgroundClient):
         return pickle.loads(startup.info)
 
     def _send(self, message: Any) -> None:
+        if isinstance(message, EngineCoreRequest):
+            message = message.with_pickled_extras()
         with self._send_lock:
             self._input.send_multipart(self._encoder.encode(message), copy=False)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import queue
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -93,7 +94,7 @@ class EngineInfo:
 
 class EngineCore:
     # Methods a frontend may call through EngineCoreClient.call_utility (by name; arguments and results
-    # are plain data: what msgpack carries as it is).
+    # are plain data: what msgpack carries as it is). Features add theirs as "<key>.<name>".
     UTILITIES = frozenset({"reset_prefix_cache"})
 
     def __init__(self, config: EngineConfig) -> None:
@@ -122,6 +123,13 @@ class EngineCore:
         self.features = ActiveFeatures(self)
         self._pending: dict[str, Request] = {}    # ended outside a step (abort, stop), not reported yet
         self._refused: list[EngineCoreOutput] = []   # requests add_request refused (refuse())
+        # Finished requests whose final report waits for a feature's Future (EngineFeature.after_step),
+        # and those whose futures completed (filled from other threads).
+        self._deferred: dict[str, Request] = {}
+        self._deferred_done: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # Called (from any thread) when work appears that no input announced: a deferred output became
+        # ready. The loop that runs this core sets it to wake itself up.
+        self.wake: Callable[[], None] = lambda: None
         if sc.async_scheduling is None:
             sc.async_scheduling = self.device.type == "cuda"
         self.async_scheduling = sc.async_scheduling
@@ -267,8 +275,31 @@ class EngineCore:
         self.features.after_finish(ended)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a step() now would do or report anything."""
         return (self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._refused)
-                or self._in_flight is not None)
+                or self._in_flight is not None or not self._deferred_done.empty())
+
+    def has_deferred_outputs(self) -> bool:
+        """Finished requests whose final report waits for work off the step loop (a file being written)."""
+        return bool(self._deferred)
+
+    def wait_deferred(self, timeout: float | None = None) -> None:
+        """Block until a deferred output is ready (or `timeout` passed); for a caller that steps this core."""
+        try:
+            rid = self._deferred_done.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._deferred_done.put(rid)
+
+    def utility(self, name: str) -> Callable[..., Any]:
+        """The utility method called `name`: an EngineCore one, or a feature's "<key>.<name>"."""
+        if name in self.UTILITIES:
+            return getattr(self, name)
+        key, dot, method = name.partition(".")
+        if not dot:
+            raise ValueError(f"{name!r} is not an engine utility (known: {', '.join(sorted(self.UTILITIES))}, "
+                             "or a feature's '<key>.<name>')")
+        return self.features.utility(key, method)
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -300,16 +331,22 @@ class EngineCore:
             self.features.after_step(changed)
             make = self._output
             outputs = [make(req, ro) for req in changed if req.stream_outputs or req.status is not _RUNNING]
+            if self._deferred:
+                outputs = [out for out in outputs if out is not None]
         return EngineCoreOutputs(self._with_pending(outputs))
 
     def _with_pending(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """`outputs` plus the requests that ended outside the step and have not been reported."""
+        while not self._deferred_done.empty():
+            req = self._deferred.pop(self._deferred_done.get())
+            self._pending[req.request_id] = req
         # Requests the scheduler ended on its own (e.g. they can never fit in the KV pool).
         for req in self.scheduler.drain_finished_unreported():
             self._pending[req.request_id] = req
         if self._pending:
             reported = {out.request_id for out in outputs}
-            outputs.extend(self._output(req, None) for rid, req in self._pending.items() if rid not in reported)
+            pending = [self._output(req, None) for rid, req in self._pending.items() if rid not in reported]
+            outputs.extend(out for out in pending if out is not None)
             self._pending.clear()
         if self._refused:
             outputs.extend(self._refused)
@@ -324,8 +361,11 @@ class EngineCore:
         self.abort_all(error)
         return EngineCoreOutputs(self._with_pending([]))
 
-    def _output(self, req: Request, ro: ModelRunnerOutput | None) -> EngineCoreOutput:
-        """A request's news: the tokens it has not reported yet, their logprobs, and how it ended."""
+    def _output(self, req: Request, ro: ModelRunnerOutput | None) -> EngineCoreOutput | None:
+        """A request's news: the tokens it has not reported yet, their logprobs, and how it ended. None for
+        a finished request whose final report waits for a feature's Future (reported once it is done)."""
+        if req.feature_outputs and req.status is not _RUNNING and self._defer(req):
+            return None
         tokens = req.output_token_ids
         reported = req.num_reported_tokens
         new = tokens[reported:] if reported else list(tokens)
@@ -345,6 +385,30 @@ class EngineCore:
             # by engine internals for a while (persistent batch rows, the last step's trace).
             out.extras, req.feature_outputs = req.feature_outputs, None
         return out
+
+    def _defer(self, req: Request) -> bool:
+        """Hold a finished request's final report while any of its feature outputs is a Future still
+        running; resolve the finished ones into their values (a failed one into {"error": ...})."""
+        outputs = req.feature_outputs
+        waiting = [f for f in outputs.values() if isinstance(f, Future) and not f.done()]
+        if waiting:
+            if req.request_id not in self._deferred:
+                self._deferred[req.request_id] = req
+                remaining = [len(waiting)]
+
+                def one_done(_future: Future) -> None:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        self._deferred_done.put(req.request_id)
+                        self.wake()
+                for future in waiting:
+                    future.add_done_callback(one_done)
+            return True
+        for key, value in outputs.items():
+            if isinstance(value, Future):
+                error = value.exception()
+                outputs[key] = {"error": f"{type(error).__name__}: {error}"} if error else value.result()
+        return False
 
     def _can_schedule_ahead(self, current: _InFlight) -> bool:
         """Whether the next step may be launched before `current` is read back (async scheduling)."""

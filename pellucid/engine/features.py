@@ -1,18 +1,27 @@
 """Request features: capabilities that ride on a request in `extras[key]` (tracing, extraction sinks,
 prefix-cache salts, a pipeline stage's inputs).
 
-Each feature declares, through one interface, what the engine needs to know of it: how a request
-carrying it is checked before it is queued (in the frontend, against the engine's published facts, so
-a bad request is refused before it reaches the engine; and again in the engine), whether its requests
-may step ahead, what it does after every step while some request carries it, and how its outputs are
-cut when the frontend ends a request early (a stop string). The engine core and the frontends know
-this interface, not the features: a new feature is a new module that registers itself.
+Each feature declares, through one interface, what the engine needs to know of it:
+- how a request carrying it is checked before it is queued: in the frontend, against the engine's
+  published facts, so a bad request is refused before it reaches the engine (`RequestFeature.check`),
+  and again in the engine (`EngineFeature.prepare`);
+- whether its requests may step ahead (`step_ahead`);
+- what it does after every step while some request carries it, and what it adds to a request's final
+  output (`EngineFeature.after_step`), including outputs that are only ready later (a Future: the
+  engine holds the request's final report until it is done);
+- what it costs in prefix caching (`prepare` sets the request's read/publish policy);
+- how its outputs are cut when the frontend ends a request early at a stop string (`trim_outputs`);
+- engine-side utilities the frontends may call (`EngineFeature.utilities`).
+
+A feature is one registered `RequestFeature` (its frontend half, shared by everything in a process)
+that makes one `EngineFeature` per engine core (its engine half, with that engine's state). The engine
+core and the frontends know this interface, not the features: a new feature is a new module.
 """
 from __future__ import annotations
 
 import operator
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from pellucid.engine.request import allow_step_ahead_for_extras_key
 
@@ -22,18 +31,45 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "pellucid.features"
 
 
+class EngineFeature:
+    """A feature's half in one engine core: its state there, and the engine's hooks."""
+
+    def prepare(self, request: "Request") -> None:
+        """Bind the feature's state to a request before it is queued (ValueError refuses the request);
+        may set the request's prefix-cache policy."""
+
+    def set_active(self, active: bool) -> None:
+        """Some unfinished request carries the feature (True) or none does any more (False)."""
+
+    def after_step(self, changed: list["Request"]) -> None:
+        """After a step's tokens were applied: `changed` holds the requests that progressed or finished.
+        Called only while the feature is active. What a finishing request adds to its final output goes
+        into `request.feature_outputs`; a value that is a concurrent.futures.Future holds the final report
+        back until it is done (its result, or {"error": ...}, is reported then)."""
+
+    def after_finish(self, requests: list["Request"]) -> None:
+        """Requests carrying the feature were ended outside a step (abort, a stop string)."""
+        self.after_step(requests)
+
+    def utilities(self) -> dict[str, Callable[..., Any]]:
+        """Methods frontends may call as "<key>.<name>" (EngineCoreClient.call_utility); plain-data
+        arguments and results."""
+        return {}
+
+
 class RequestFeature:
-    """Base class: a feature overrides the hooks it needs. One instance serves every engine."""
+    """A feature's frontend half and its declarations. One instance, registered, serves the process."""
 
     key: str = ""
     # Requests carrying the feature may be scheduled ahead of their previous token's readback
     # (the feature keeps its per-step state on the device).
     step_ahead: bool = False
-    # The feature adds outputs to a request's final output (after_step publishes them), so a request the
-    # frontend ends early waits for the engine's final output.
+    # The feature adds outputs to a request's final output, so a request the frontend ends early waits
+    # for the engine's final output.
     publishes_outputs: bool = False
+    # Features' engine hooks run in increasing order (one may consume what another published).
+    order: int = 0
 
-    # ---- frontend side ----
     def check(self, value: Any, prompt_token_ids: list[int], params: Any, max_total_tokens: int,
               engine_info: Any) -> Any:
         """Validate `extras[key]` of a request with these prompt ids and SamplingParams (the parent's: `n`
@@ -46,22 +82,9 @@ class RequestFeature:
         (a stop string found by the frontend while later steps were already running): drop from its
         final `outputs` whatever belongs to positions >= num_tokens - 1 (the last token is never fed)."""
 
-    # ---- engine side ----
-    def prepare(self, request: "Request", engine: Any) -> None:
-        """Bind the feature's state to a request before it is queued (ValueError refuses the request);
-        may set the request's prefix-cache policy."""
-
-    def set_active(self, engine: Any, active: bool) -> None:
-        """Some unfinished request carries the feature (True) or none does any more (False)."""
-
-    def after_step(self, changed: list["Request"]) -> None:
-        """After a step's tokens were applied: `changed` holds the requests that progressed or finished.
-        Called only while the feature is active. A finishing request's outputs go into
-        `request.extras[FEATURE_OUTPUTS_KEY]` (pellucid/engine/request.py)."""
-
-    def after_finish(self, requests: list["Request"]) -> None:
-        """Requests carrying the feature were ended outside a step (abort, a stop string)."""
-        self.after_step(requests)
+    def for_engine(self, engine: Any) -> EngineFeature:
+        """This feature's half in `engine` (an EngineCore), made once per engine."""
+        return EngineFeature()
 
 
 _FEATURES: dict[str, RequestFeature] = {}
@@ -83,6 +106,7 @@ def _load_builtin_and_plugins() -> None:
     _loaded = True
     # The built-in features register themselves on import.
     import pellucid.engine.cache_salt  # noqa: F401
+    import pellucid.extraction.sink  # noqa: F401
     import pellucid.tracing.feature  # noqa: F401
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _FEATURES:
@@ -99,41 +123,58 @@ def get_feature(key: str) -> RequestFeature:
 
 
 class ActiveFeatures:
-    """An engine's view of the features its unfinished requests carry."""
+    """An engine core's feature halves, and which of its unfinished requests carry each feature."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._carriers: dict[str, list["Request"]] = {}
         _load_builtin_and_plugins()
-        for feature in _FEATURES.values():      # nothing carries any feature yet
-            feature.set_active(engine, False)
+        ordered = sorted(_FEATURES.values(), key=lambda f: f.order)
+        self._halves: dict[str, EngineFeature] = {f.key: f.for_engine(engine) for f in ordered}
+        self._carriers: dict[str, list["Request"]] = {}
+        for half in self._halves.values():      # nothing carries any feature yet
+            half.set_active(False)
 
     def prepare(self, request: "Request") -> None:
         """Bind every feature of a request (ValueError refuses it; nothing is recorded then)."""
-        features = [get_feature(key) for key in request.extras]
-        for feature in features:
-            feature.prepare(request, self.engine)
+        halves = [self._half(key) for key in request.extras]
+        for half in halves:
+            half.prepare(request)
 
     def queued(self, request: "Request") -> None:
         for key in request.extras:
-            carriers = self._carriers.setdefault(key, [])
-            if not carriers:
-                get_feature(key).set_active(self.engine, True)
+            carriers = self._carriers.get(key)
+            if carriers is None:
+                carriers = self._carriers[key] = []
+                self._halves[key].set_active(True)
             carriers.append(request)
 
     def after_step(self, changed: list["Request"]) -> None:
         if self._carriers:
-            for key in list(self._carriers):
-                get_feature(key).after_step(changed)
+            for key, half in self._halves.items():
+                if key in self._carriers:
+                    half.after_step(changed)
             self._forget_finished()
 
     def after_finish(self, requests: list["Request"]) -> None:
         if self._carriers:
-            for key in list(self._carriers):
-                carrying = [r for r in requests if key in r.extras]
+            for key, half in self._halves.items():
+                carrying = [r for r in requests if key in r.extras] if key in self._carriers else None
                 if carrying:
-                    get_feature(key).after_finish(carrying)
+                    half.after_finish(carrying)
             self._forget_finished()
+
+    def utility(self, key: str, name: str) -> Callable[..., Any]:
+        method = self._half(key).utilities().get(name)
+        if method is None:
+            raise ValueError(f"the request feature {key!r} has no engine utility {name!r}")
+        return method
+
+    def _half(self, key: str) -> EngineFeature:
+        half = self._halves.get(key)
+        if half is None:
+            get_feature(key)        # the error names the known keys
+            raise ValueError(f"the request feature {key!r} was registered after this engine started")
+        return half
 
     def _forget_finished(self) -> None:
         unfinished = self.engine.scheduler.requests
@@ -143,7 +184,7 @@ class ActiveFeatures:
                 self._carriers[key] = left
             else:
                 del self._carriers[key]
-                get_feature(key).set_active(self.engine, False)
+                self._halves[key].set_active(False)
 
 
 def still_unfinished(requests: list["Request"], unfinished: dict[str, "Request"]) -> list["Request"]:

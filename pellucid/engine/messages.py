@@ -8,6 +8,7 @@ or are handed over as they are to an engine in the same process.
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any, Union
 
 import msgspec
@@ -30,6 +31,19 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     stream: bool = True
     # Feature state riding on the request (pellucid/engine/features.py), keyed by feature.
     extras: dict[str, Any] | None = None
+    # `extras` pickled, as it crosses a process boundary: feature values are arbitrary objects (a trace
+    # plan, dataclasses) that msgpack would flatten into dicts (see with_pickled_extras).
+    pickled_extras: bytes | None = None
+
+    def with_pickled_extras(self) -> "EngineCoreRequest":
+        if self.extras is None:
+            return self
+        return msgspec.structs.replace(self, extras=None, pickled_extras=pickle.dumps(self.extras))
+
+    def with_unpickled_extras(self) -> "EngineCoreRequest":
+        if self.pickled_extras is None:
+            return self
+        return msgspec.structs.replace(self, extras=pickle.loads(self.pickled_extras), pickled_extras=None)
 
 
 class FinishRequests(msgspec.Struct, tag=True, omit_defaults=True):

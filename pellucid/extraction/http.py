@@ -5,9 +5,10 @@
 After the completion is generated, one traced prefill over prompt + completion (as the offline
 `generate` mode does) takes the hidden states of every token. Each choice then carries
 `"hidden_states"`: with "inline", `{"data": <base64 safetensors>, "layers", "num_tokens", "prompt_length"}`
-(tensors `hidden_states` [T, L, H], `input_ids` [T], `prompt_length`); with "server", the sample is
-written to the server's `--extract-dir` (under `layers_<ids>/`, a regular extraction directory with
-a manifest) and the choice carries `{"file", "id", "layers", "num_tokens", "prompt_length"}`. The
+(tensors `hidden_states` [T, L, H], `input_ids` [T], `prompt_length`); with "server", the engine core
+writes the sample to the server's `--extract-dir` (under `layers_<ids>/`, a regular extraction
+directory with a manifest; the states never pass through the API server) and the choice carries
+`{"file", "id", "layers", "num_tokens", "prompt_length"}` once the manifest lists the file. The
 server never writes where a client says: any other key, or an output that is not one of the two
 words, is refused (HTTP 400), as is an out-of-range layer.
 """
@@ -15,15 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pellucid.extraction.job import job_info
+from pellucid.extraction.sink import EXTRACTION_KEY, ExtractionTarget
 from pellucid.extraction.spec import ExtractionSpec
-from pellucid.extraction.writer import DatasetWriter, SampleRecord
+from pellucid.extraction.writer import SampleRecord
 from pellucid.logger import get_logger
 from pellucid.sampling_params import SamplingParams
 from pellucid.tracing.serialization import tensors_to_b64
@@ -47,8 +48,8 @@ class ServerExtraction:
     def __init__(self, async_llm: Any, extract_dir: str | None) -> None:
         self.llm = async_llm
         self.extract_dir = os.path.abspath(extract_dir) if extract_dir else None
-        self._writers: dict[tuple[int, ...], DatasetWriter] = {}
-        self._lock = threading.Lock()
+        self._opened: dict[tuple[int, ...], str] = {}     # layer set -> its directory, open in the engine
+        self._lock = asyncio.Lock()
         if self.extract_dir is not None:
             os.makedirs(self.extract_dir, exist_ok=True)
             if not os.access(self.extract_dir, os.W_OK):
@@ -87,37 +88,51 @@ class ServerExtraction:
         if len(token_ids) >= self.llm.max_model_len:
             raise ValueError(f"prompt + completion has {len(token_ids)} tokens; extracting hidden states needs fewer "
                              f"than max_model_len={self.llm.max_model_len}: lower max_tokens")
-        final = None
-        async for output in self.llm.generate(token_ids, _EXTRACT_PARAMS, extras=request.spec.extras()):
-            final = output
-        assert final is not None
-        record = SampleRecord(sample_id, torch.tensor(token_ids, dtype=torch.int64),
-                              request.spec.hidden_states(final, len(token_ids)), len(prompt_ids))
-        field = {"layers": list(request.spec.layers), "num_tokens": len(token_ids), "prompt_length": len(prompt_ids)}
+        spec = request.spec
+        field = {"layers": list(spec.layers), "num_tokens": len(token_ids), "prompt_length": len(prompt_ids)}
         if request.output == "inline":
+            final = await self._run(token_ids, spec.extras())
+            record = SampleRecord(sample_id, torch.tensor(token_ids, dtype=torch.int64),
+                                  spec.hidden_states(final, len(token_ids)), len(prompt_ids))
             field["data"] = tensors_to_b64(record.tensors())
             return field
-        writer = await asyncio.to_thread(self._writer, request.spec)
-        name = await asyncio.to_thread(writer.write_now, record)
-        field.update(file=os.path.join(os.path.basename(writer.output_dir), name), id=sample_id)
+        directory = await self._open(spec)
+        target = ExtractionTarget(directory, sample_id, len(prompt_ids), spec.layers, spec.num_model_layers,
+                                  wait_written=True)
+        final = await self._run(token_ids, {**spec.extras(keep_on_device=True), EXTRACTION_KEY: target})
+        written = final.extras.get(EXTRACTION_KEY) or {"error": "the engine reported no extraction"}
+        if "error" in written:
+            raise RuntimeError(f"writing the hidden states failed: {written['error']}")
+        field.update(file=os.path.join(os.path.basename(directory), written["file"]), id=sample_id)
         return field
 
-    def _writer(self, spec: ExtractionSpec) -> DatasetWriter:
-        """One extraction directory per layer set, so each is a consistent data set with its own manifest."""
-        assert self.extract_dir is not None
-        with self._lock:
-            writer = self._writers.get(spec.layers)
-            if writer is None:
-                engine = self.llm.info
-                subdir = os.path.join(self.extract_dir, "layers_" + "_".join(str(layer) for layer in spec.layers))
-                info = job_info(engine.model_name, engine.model, engine.dtype, spec, engine.hidden_size, None)
-                info["generate"] = "per-request (server)"
-                writer = DatasetWriter(subdir, info, shard_size=1, background=False)
-                self._writers[spec.layers] = writer
-            return writer
+    async def _run(self, token_ids: list[int], extras: dict[str, Any]) -> Any:
+        final = None
+        async for output in self.llm.generate(token_ids, _EXTRACT_PARAMS, extras=extras):
+            final = output
+        assert final is not None
+        return final
 
-    def close(self) -> None:
-        with self._lock:
-            for writer in self._writers.values():
-                writer.close()
-            self._writers.clear()
+    async def _open(self, spec: ExtractionSpec) -> str:
+        """The layer set's directory, opened in the engine once: one extraction directory per layer set, so
+        each is a consistent data set with its own manifest."""
+        assert self.extract_dir is not None
+        async with self._lock:
+            directory = self._opened.get(spec.layers)
+            if directory is None:
+                info = self.llm.info
+                directory = os.path.join(self.extract_dir, "layers_" + "_".join(str(layer) for layer in spec.layers))
+                job = job_info(info.model_name, info.model, info.dtype, spec, info.hidden_size, None)
+                job["generate"] = "per-request (server)"
+                await self.llm.call_utility(f"{EXTRACTION_KEY}.open", directory, job, 1)
+                self._opened[spec.layers] = directory
+            return directory
+
+    async def close(self) -> None:
+        """Close the engine's writers of this server's directories (waits for files being written)."""
+        for directory in self._opened.values():
+            try:
+                await self.llm.call_utility(f"{EXTRACTION_KEY}.close", directory)
+            except Exception as exc:
+                logger.error("closing the extraction directory %s failed: %s", directory, exc)
+        self._opened.clear()

@@ -12,25 +12,28 @@ eagerly with hooks, so tracing every decode step would slow the whole decode bat
 prefill is compute-dense and costs a small fraction of the decode time, and (c) the states come
 from a teacher-forced forward, which is what a speculator sees in training. Generation is capped so
 prompt + response stays below max_model_len (the extraction pass must fit the engine's limit).
+
+The engine core writes the files (sink.py): the job opens the output directory there, sends each
+sample's extraction request with its target, and closes the directory at the end, which waits for the
+writer threads and reports what they wrote. The hidden states never pass through the job.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import itertools
-import threading
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-import torch
 from tqdm.auto import tqdm
 
 from pellucid.extraction.samples import RawSample, Sample, iter_raw_samples, tokenize_sample
+from pellucid.extraction.sink import EXTRACTION_KEY, ExtractionTarget
 from pellucid.extraction.spec import ExtractionSpec
-from pellucid.extraction.staging import HostStager
-from pellucid.extraction.writer import DatasetWriter, ExtractionError, SampleRecord, model_fingerprint
+from pellucid.extraction.writer import ExtractionError, model_fingerprint
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
 from pellucid.sampling_params import SamplingParams
@@ -76,10 +79,43 @@ class _InFlight:
     prompt_length: int
 
 
+class EngineSink:
+    """The job's output directory, opened in the engine core (sink.py): the samples it already lists, and
+    closing it. `call(method, *args)` runs an engine utility (EngineCoreClient.call_utility)."""
+
+    def __init__(self, call: Callable[..., Any], output_dir: str, job_info: dict[str, Any], shard_size: int) -> None:
+        if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1:
+            raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
+        self._call = call
+        self.output_dir = os.path.abspath(output_dir)
+        opened = self._utility("open", job_info, shard_size)
+        self.done_ids: set[str] = set(opened["done_ids"])
+        self.num_existing = opened["num_existing"]
+        self.files_written: list[str] = []
+        self.closed = False
+
+    def close(self) -> dict[str, Any]:
+        """What the engine's writer wrote; ExtractionError (the first I/O error, final count) otherwise."""
+        if self.closed:
+            return {"num_samples": 0, "num_tokens": 0, "files": []}
+        self.closed = True
+        written = self._utility("close")
+        self.files_written = list(written["files"])
+        return written
+
+    def _utility(self, name: str, *args: Any) -> Any:
+        try:
+            return self._call(f"{EXTRACTION_KEY}.{name}", self.output_dir, *args)
+        except ExtractionError:
+            raise
+        except Exception as exc:    # the message of the engine's error, from another process
+            raise ExtractionError(str(exc)) from None
+
+
 class ExtractionJob:
     """The state of one job, independent of how the engine is driven (LLM or AsyncLLM)."""
 
-    def __init__(self, data: Any, spec: ExtractionSpec, writer: DatasetWriter, tokenizer: Any, max_model_len: int,
+    def __init__(self, data: Any, spec: ExtractionSpec, sink: EngineSink, tokenizer: Any, max_model_len: int,
                  vocab_size: int, generate: SamplingParams | None, skip_invalid: bool) -> None:
         if generate is not None:
             if not isinstance(generate, SamplingParams):
@@ -87,7 +123,7 @@ class ExtractionJob:
             if generate.n != 1:
                 raise ValueError(f"generate must have n=1 (one response per sample), got n={generate.n}")
         self.spec = spec
-        self.writer = writer
+        self.sink = sink
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -100,12 +136,8 @@ class ExtractionJob:
         self.in_flight: dict[str, _InFlight] = {}
         self.invalid: dict[str, str] = {}
         self.num_already_done = 0
-        self.num_samples = 0
+        self.num_samples = 0            # samples the engine has taken to write (the writer's count is final)
         self.num_tokens = 0
-        self._count_lock = threading.Lock()
-        # Saves stay on the GPU; the stager copies each finished sample to pinned host memory on a side
-        # stream and the writer threads wait for it, so the step loop never waits on the copy.
-        self._stager = HostStager()
 
     # ---- feeding the engine ---------------------------------------------------------------------
     def next_work(self) -> EngineWork | None:
@@ -115,7 +147,7 @@ class ExtractionJob:
             if raw is None:
                 self._exhausted = True
                 break
-            if raw.sample_id in self.writer.done_ids:
+            if raw.sample_id in self.sink.done_ids:
                 self.num_already_done += 1
                 continue
             work = self._first_request(raw)
@@ -132,7 +164,7 @@ class ExtractionJob:
             return None
         generating = self.generate is not None
         work = EngineWork(f"{self._prefix}-{next(self._ids)}", sample.token_ids, params,
-                          None if generating else self._extras())
+                          None if generating else self._extras(sample, len(sample.token_ids)))
         self.in_flight[work.request_id] = _InFlight(sample, generating, len(sample.token_ids))
         return work
 
@@ -152,9 +184,13 @@ class ExtractionJob:
         asked = self.generate.max_tokens
         return dataclasses.replace(self.generate, max_tokens=room if asked is None else min(asked, room))
 
-    def _extras(self) -> dict[str, Any]:
-        # A fresh dict per request: the engine binds the request's own plan into it.
-        return self.spec.extras(keep_on_device=True)
+    def _extras(self, sample: Sample, prompt_length: int) -> dict[str, Any]:
+        """The extraction request's features: the saves (kept on the device) and where the engine writes
+        the sample. A fresh dict per request: the engine binds the request's own plan into it."""
+        target = ExtractionTarget(self.sink.output_dir, sample.sample_id, prompt_length, self.spec.layers,
+                                  self.spec.num_model_layers,
+                                  tuple(bool(m) for m in sample.loss_mask) if sample.loss_mask is not None else None)
+        return {**self.spec.extras(keep_on_device=True), EXTRACTION_KEY: target}
 
     def rejected(self, work: EngineWork, reason: str) -> None:
         """The engine refused a request (ValueError on add)."""
@@ -172,8 +208,9 @@ class ExtractionJob:
     def owns(self, request_id: str) -> bool:
         return request_id in self.in_flight
 
-    def on_finished(self, output: RequestOutput) -> EngineWork | SampleRecord:
-        """A finished request: the generated sample's extraction request, or the sample's record."""
+    def on_finished(self, output: RequestOutput) -> EngineWork | None:
+        """A finished request: the generated sample's extraction request, or None once the engine has
+        taken the sample to write. ExtractionError when the request or the write failed."""
         entry = self.in_flight.pop(output.request_id)
         sample = entry.sample
         if output.error:
@@ -185,39 +222,40 @@ class ExtractionJob:
                                       f"({output.outputs[0].finish_reason})")
             mask = (sample.loss_mask if sample.loss_mask is not None else [0] * len(sample.token_ids)) + [1] * len(response)
             full = Sample(sample.sample_id, sample.token_ids + response, mask, sample.is_chat)
-            work = EngineWork(f"{self._prefix}-{next(self._ids)}", full.token_ids, _EXTRACT_PARAMS, self._extras())
             # The extraction request's engine prompt is prompt + response; the sample keeps the real prompt length.
+            work = EngineWork(f"{self._prefix}-{next(self._ids)}", full.token_ids, _EXTRACT_PARAMS,
+                              self._extras(full, entry.prompt_length))
             self.in_flight[work.request_id] = _InFlight(full, False, entry.prompt_length)
             return work
-        prompt_length = entry.prompt_length
-        num_tokens = len(sample.token_ids)
-        hidden = self._stager.stage(self.spec.layer_columns(output, num_tokens))
-        mask = torch.tensor(sample.loss_mask, dtype=torch.bool) if sample.loss_mask is not None else None
-        return SampleRecord(sample.sample_id, torch.tensor(sample.token_ids, dtype=torch.int64), hidden,
-                            prompt_length, mask)
-
-    def write(self, record: SampleRecord) -> None:
-        with self._count_lock:          # the async driver writes from worker threads
-            self.writer.add(record)
-            self.num_samples += 1
-            self.num_tokens += record.num_tokens
+        written = output.extras.get(EXTRACTION_KEY)
+        if not written:
+            raise ExtractionError(f"sample {sample.sample_id!r}: the engine reported no extraction for it")
+        if "error" in written:
+            raise SinkError(f"sample {sample.sample_id!r}: {written['error']}")
+        self.num_samples += 1
+        self.num_tokens += written["num_tokens"]
+        return None
 
     @property
     def done(self) -> bool:
         return self._exhausted and not self.in_flight
 
 
+class SinkError(ExtractionError):
+    """The engine could not write a sample (its writer failed, or the request did)."""
+
+
 def _make_job(data: Any, layers: Any, output_dir: str, generate: SamplingParams | None, shard_size: int,
-              skip_invalid: bool, tokenizer: Any, info: Any) -> ExtractionJob:
-    """A job for an engine described by `info` (EngineInfo)."""
+              skip_invalid: bool, tokenizer: Any, info: Any, call: Callable[..., Any]) -> ExtractionJob:
+    """A job for an engine described by `info` (EngineInfo), whose utilities `call` runs."""
     spec = ExtractionSpec.resolve(layers, info.num_hidden_layers)
-    writer = DatasetWriter(output_dir, job_info(info.model_name, info.model, info.dtype, spec, info.hidden_size,
-                                                generate), shard_size)
+    sink = EngineSink(call, output_dir, job_info(info.model_name, info.model, info.dtype, spec, info.hidden_size,
+                                                 generate), shard_size)
     try:
-        return ExtractionJob(data, spec, writer, tokenizer, info.max_model_len, info.vocab_size, generate,
+        return ExtractionJob(data, spec, sink, tokenizer, info.max_model_len, info.vocab_size, generate,
                              skip_invalid)
     except BaseException:
-        writer.close()
+        sink.close()
         raise
 
 
@@ -230,23 +268,24 @@ def job_info(model_name: str, model_dir: str, dtype: str, spec: ExtractionSpec, 
 
 
 def _finish(job: ExtractionJob, started: float, failure: BaseException | None) -> ExtractionSummary:
-    """Close the writer (writes buffered complete samples even when the job failed).
+    """Close the engine's writer (writes buffered complete samples even when the job failed).
 
-    A writer's I/O error stops the job where it is noticed (`add`) while other writer threads may still be
-    committing files; `close` waits for them and raises the same error again with the final sample count.
-    That report replaces the first one (raised from here, inside the driver's `finally`), so the error is
-    reported once, with the true count."""
+    A writer's I/O error stops the job where it is noticed (a sample the engine could not take) while
+    other writer threads may still be committing files; closing waits for them and raises the same error
+    again with the final sample count. That report replaces the first one (raised from here, inside the
+    driver's `finally`), so the error is reported once, with the true count."""
     try:
-        job.writer.close()
+        written = job.sink.close()
     except ExtractionError as exc:
         if failure is None:
             raise
-        if isinstance(failure, ExtractionError) and failure.__cause__ is not None \
-                and failure.__cause__ is job.writer.error:
-            raise exc from job.writer.error
+        if isinstance(failure, SinkError):
+            raise exc       # replaces the first report (already in flight, from the driver's `finally`)
         logger.error("after the job failed (%s), closing the writer failed too: %s", failure, exc)
-    return ExtractionSummary(job.writer.output_dir, job.num_samples, job.num_tokens, job.num_already_done,
-                             time.monotonic() - started, list(job.writer.files_written), dict(job.invalid))
+        written = {"num_samples": job.num_samples, "num_tokens": job.num_tokens}
+    return ExtractionSummary(job.sink.output_dir, written["num_samples"], written["num_tokens"],
+                             job.num_already_done, time.monotonic() - started, list(job.sink.files_written),
+                             dict(job.invalid))
 
 
 class _Progress:
@@ -270,7 +309,8 @@ def extract_hidden_states(llm: Any, data: Any, layers: Any, output_dir: str, gen
                           max_in_flight: int | None = None) -> ExtractionSummary:
     """Run an extraction job on an `LLM` (see the module doc and docs/extraction.md)."""
     info = llm.info
-    job = _make_job(data, layers, output_dir, generate, shard_size, skip_invalid, llm.tokenizer, info)
+    job = _make_job(data, layers, output_dir, generate, shard_size, skip_invalid, llm.tokenizer, info,
+                    llm.client.call_utility)
     # Twice the batch size: the scheduler always has waiting requests to fill a freed slot with.
     limit = max_in_flight or 2 * info.max_num_seqs
     started = time.monotonic()
@@ -291,10 +331,9 @@ def extract_hidden_states(llm: Any, data: Any, layers: Any, output_dir: str, gen
                 if not output.finished or not job.owns(output.request_id):
                     continue
                 result = job.on_finished(output)
-                if isinstance(result, EngineWork):
+                if result is not None:
                     _add_sync(llm, job, result)
                 else:
-                    job.write(result)
                     bar.update(job)
             if job.in_flight and not llm.has_unfinished_requests():
                 raise RuntimeError(f"the engine went idle with {len(job.in_flight)} extraction requests unfinished")
@@ -338,8 +377,8 @@ async def extract_hidden_states_async(async_llm: Any, data: Any, layers: Any, ou
     """The same job over an `AsyncLLM`, concurrently with whatever else it serves."""
     from pellucid.engine.async_llm import RequestFailedError
 
-    job = _make_job(data, layers, output_dir, generate, shard_size, skip_invalid, async_llm.tokenizer,
-                    async_llm.info)
+    job = await asyncio.to_thread(_make_job, data, layers, output_dir, generate, shard_size, skip_invalid,
+                                  async_llm.tokenizer, async_llm.info, async_llm.call_utility_blocking)
     limit = max_in_flight or 2 * async_llm.info.max_num_seqs
     started = time.monotonic()
     bar = _Progress(data, progress)
@@ -358,10 +397,9 @@ async def extract_hidden_states_async(async_llm: Any, data: Any, layers: Any, ou
                 final = RequestOutput(work.request_id, None, work.token_ids, [], finished=True, error=exc.message)
             assert final is not None
             result = job.on_finished(final)
-            if isinstance(result, EngineWork):
+            if result is not None:
                 work = result
                 continue
-            await asyncio.to_thread(job.write, result)
             bar.update(job)
             return
 

@@ -75,8 +75,11 @@ class ExtractionSpec:
         """The per-layer `[num_tokens, hidden]` states, checked complete (see hidden_states)."""
         if output.error:
             raise RuntimeError(f"the extraction request failed: {output.error}")
-        saves = output.extras.get("saves")
-        positions = output.extras.get("save_positions")
+        return self.columns_from_saves(output.extras.get("saves"), output.extras.get("save_positions"), num_tokens)
+
+    def columns_from_saves(self, saves: dict[str, torch.Tensor] | None, positions: dict[str, list[int]] | None,
+                           num_tokens: int) -> list[torch.Tensor]:
+        """The per-layer columns from a finished request's saves and their positions, checked complete."""
         if saves is None or positions is None:
             raise RuntimeError("the extraction request finished without saved hidden states")
         expected = list(range(num_tokens))

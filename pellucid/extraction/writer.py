@@ -29,6 +29,7 @@ import os
 import queue
 import re
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,17 +200,19 @@ class DatasetWriter:
         self.done_ids: set[str] = {e["id"] for e in entries}
         self.num_existing_samples = len(self.done_ids)
         self._next_file = 1 + max((int(m.group(2)) for e in entries if (m := _DATA_FILE.match(e["file"]))), default=0)
-        self._buffer: list[SampleRecord] = []
+        self._buffer: list[tuple[SampleRecord, Future[str]]] = []
         self._error: BaseException | None = None
         self._mutex = threading.Lock()     # add/flush may be called from several threads (server)
         # Group commit: manifest lines of renamed files wait in _renamed; one thread at a time commits them.
-        self._renamed: list[tuple[str, list[str], int]] = []
+        # (file name, manifest lines, futures of its records, tokens): renamed, not yet in the manifest.
+        self._renamed: list[tuple[str, list[str], list[Future[str]], int]] = []
         self._renamed_lock = threading.Lock()
         self._commit_lock = threading.Lock()
         self._manifest_broken = False      # a failed append could not be cut off: commit nothing more
         self.files_written: list[str] = []
         self.num_samples_written = 0
-        self._queue: queue.Queue[tuple[str, list[SampleRecord]] | None] | None = None
+        self.num_tokens_written = 0
+        self._queue: queue.Queue[tuple[str, list[tuple[SampleRecord, Future[str]]]] | None] | None = None
         self._threads: list[threading.Thread] = []
         if background:
             # Bounds the memory of shards waiting for the disk (their pinned host buffers).
@@ -276,13 +279,17 @@ class DatasetWriter:
                 os.fsync(f.fileno())
 
     # ---- writing --------------------------------------------------------------------------------
-    def add(self, record: SampleRecord) -> None:
+    def add(self, record: SampleRecord) -> "Future[str]":
+        """Queue a record; the future gives its file's name once the manifest lists it (or the error that
+        kept it from being written). ExtractionError at once if a writer thread has already failed."""
+        done: Future[str] = Future()
         with self._mutex:
             self._raise_pending()
-            self._buffer.append(record)
+            self._buffer.append((record, done))
             if len(self._buffer) >= self.shard_size:
                 self._submit(self._buffer)
                 self._buffer = []
+        return done
 
     def write_now(self, record: SampleRecord) -> str:
         """Write one record as its own file synchronously (server use); returns the file name."""
@@ -291,7 +298,7 @@ class DatasetWriter:
         with self._mutex:
             self._raise_pending()
             name = self._take_name()
-            self._write_shard(name, [record])
+            self._write_shard(name, [(record, Future())])
             return name
 
     def flush(self) -> None:
@@ -319,6 +326,9 @@ class DatasetWriter:
                 for thread in self._threads:
                     thread.join()
                 self._threads = []
+            _fail([done for _, done in self._buffer], ExtractionError("the writer closed after a failure; "
+                                                                       "this sample was not written"))
+            self._buffer = []
             self._raise_pending()
         finally:
             self._release_lock()
@@ -335,17 +345,21 @@ class DatasetWriter:
         self._next_file += 1
         return name
 
-    def _submit(self, records: list[SampleRecord]) -> None:
+    def _submit(self, items: list[tuple[SampleRecord, "Future[str]"]]) -> None:
         name = self._take_name()
         if self._queue is None:
-            self._write_shard(name, records)
+            self._write_shard(name, items)
             return
         while True:     # wake up now and then to notice a writer that failed while we wait for room
             try:
-                self._queue.put((name, records), timeout=0.5)
+                self._queue.put((name, items), timeout=0.5)
                 return
             except queue.Full:
-                self._raise_pending()
+                try:
+                    self._raise_pending()
+                except ExtractionError as exc:
+                    _fail([done for _, done in items], exc)
+                    raise
 
     def _drain(self) -> None:
         assert self._queue is not None
@@ -353,13 +367,17 @@ class DatasetWriter:
             item = self._queue.get()
             if item is None:
                 return
+            name, items = item
             if self._error is not None:
-                continue      # after a failure, start no more files (the job is stopping)
+                # After a failure, start no more files (the job is stopping).
+                _fail([done for _, done in items], ExtractionError("not written: an earlier write failed"))
+                continue
             try:
-                self._write_shard(*item)
+                self._write_shard(name, items)
             except BaseException as exc:
                 if self._error is None:
                     self._error = exc
+                _fail([done for _, done in items], exc)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -369,7 +387,8 @@ class DatasetWriter:
                 f"writing to {self.output_dir!r} failed{hint}: {exc}. The {self.num_existing_samples + self.num_samples_written} "
                 f"samples listed in {MANIFEST} are complete; fix the problem and rerun the same job to resume") from exc
 
-    def _write_shard(self, name: str, records: list[SampleRecord]) -> None:
+    def _write_shard(self, name: str, items: list[tuple[SampleRecord, "Future[str]"]]) -> None:
+        records = [record for record, _ in items]
         single = self.shard_size == 1
         tensors: dict[str, torch.Tensor] = {}
         lines = []
@@ -383,7 +402,7 @@ class DatasetWriter:
         metadata["num_samples"] = str(len(records))
         atomic_write(os.path.join(self.output_dir, name), safetensors_parts(tensors, metadata), sync_directory=False)
         with self._renamed_lock:
-            self._renamed.append((name, lines, len(records)))
+            self._renamed.append((name, lines, [done for _, done in items], sum(r.num_tokens for r in records)))
         self._commit_renamed()
 
     def _commit_renamed(self) -> None:
@@ -394,14 +413,22 @@ class DatasetWriter:
                 batch, self._renamed = self._renamed, []
             if not batch:
                 return
-            if self._manifest_broken:
-                # Its end may hold a partial line, which the next line would turn into garbage.
-                raise OSError(f"{MANIFEST} could not be cut back to whole lines after a failed append; no "
-                              f"more samples are listed until the job is rerun (which repairs it)")
-            _fsync_dir(self.output_dir)
-            self._append_to_manifest(("\n".join(line for _, lines, _ in batch for line in lines) + "\n").encode())
-            self.files_written.extend(name for name, _, _ in batch)
-            self.num_samples_written += sum(count for _, _, count in batch)
+            try:
+                if self._manifest_broken:
+                    # Its end may hold a partial line, which the next line would turn into garbage.
+                    raise OSError(f"{MANIFEST} could not be cut back to whole lines after a failed append; no "
+                                  f"more samples are listed until the job is rerun (which repairs it)")
+                _fsync_dir(self.output_dir)
+                self._append_to_manifest(("\n".join(line for _, lines, _, _ in batch for line in lines) + "\n").encode())
+            except BaseException as exc:
+                _fail([done for _, _, futures, _ in batch for done in futures], exc)
+                raise
+            self.files_written.extend(name for name, _, _, _ in batch)
+            self.num_samples_written += sum(len(futures) for _, _, futures, _ in batch)
+            self.num_tokens_written += sum(tokens for _, _, _, tokens in batch)
+            for name, _, futures, _ in batch:
+                for done in futures:
+                    done.set_result(name)
 
     def _append_to_manifest(self, data: bytes) -> None:
         """Append whole lines and fsync. A failed append is cut back off, so the manifest lists exactly the
@@ -422,3 +449,10 @@ class DatasetWriter:
                 raise
         finally:
             os.close(fd)
+
+
+def _fail(futures: list["Future[str]"], exc: BaseException) -> None:
+    """Complete the futures of records that will not be written (those already done keep their result)."""
+    for done in futures:
+        if not done.done():
+            done.set_exception(exc)

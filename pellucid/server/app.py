@@ -467,7 +467,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         finally:
             if task is not None:
                 task.cancel()
-            server.extraction.close()
+            await server.extraction.close()
 
     app = FastAPI(title="Pellucid OpenAI-compatible server", version=pellucid.__version__, lifespan=lifespan)
     app.state.openai_server = server

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pellucid.engine.features import RequestFeature, register_feature
+from pellucid.engine.features import EngineFeature, RequestFeature, register_feature
 from pellucid.engine.request import RequestStatus
 from pellucid.tracing.plan import TRACE_KEY, TracePlan, finalize_plans
 from pellucid.tracing.sites import site_table
@@ -51,20 +51,28 @@ class Tracing(RequestFeature):
                 saves[name] = saves[name][torch.tensor(keep, dtype=torch.long, device=saves[name].device)]
                 positions[name] = [kept[i] for i in keep]
 
-    def prepare(self, request: Any, engine: Any) -> None:
+    def for_engine(self, engine: Any) -> "EngineTracing":
+        return EngineTracing(engine)
+
+
+class EngineTracing(EngineFeature):
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def prepare(self, request: Any) -> None:
         plan = TracePlan.from_extras(request.extras[TRACE_KEY])
         if not plan.ops:
             raise ValueError("the trace has no ops")
         request.extras[TRACE_KEY] = plan.bind(request.num_prompt_tokens, request.max_total_tokens,
-                                              request.request_id, site_table(engine.runner))
+                                              request.request_id, site_table(self.engine.runner))
         # A traced request computes every prompt position itself; an edited one's KV is not the model's.
         request.read_prefix_cache = False
         if plan.edits:
             request.publish_prefix_cache = False
 
-    def set_active(self, engine: Any, active: bool) -> None:
+    def set_active(self, active: bool) -> None:
         # Most steps trace nothing: the runner skips its per-request scan for traced rows then.
-        engine.runner.trace_possible = active
+        self.engine.runner.trace_possible = active
 
     def after_step(self, changed: list[Any]) -> None:
         """Publish the saves (or the trace error) of traced requests that just finished, assembled together."""
