@@ -90,8 +90,14 @@ class LLM:
         # outputs, so the engine reports most requests once, when they end.
         processed = [self.input_processor.process(f"gen-{next(self._ids)}", p, sp, ex, stream=False)
                      for p, sp, ex in zip(prompt_list, params, extras_list)]
-        for request in processed:
-            self._add(request, stream=False)
+        added: set[str] = set()
+        try:
+            for request in processed:
+                self._add(request, stream=False)
+                added.add(request.request_id)
+        except BaseException:
+            self._abort(added)
+            raise
         return self._run([r.request_id for r in processed], use_tqdm)
 
     # ---- step by step, as vLLM's LLMEngine: add_request / step / has_unfinished_requests ----------
@@ -111,8 +117,15 @@ class LLM:
     def _add(self, request: ProcessedRequest, stream: bool) -> None:
         self.output_processor.add(request.request_id, request.prompt, request.prompt_token_ids, request.params,
                                   request.child_ids, stream=stream, feature_keys=request.feature_keys)
-        for engine_request in request.engine_requests:
-            self.client.add_request(engine_request)
+        sent = []
+        try:
+            for engine_request in request.engine_requests:
+                self.client.add_request(engine_request)
+                sent.append(engine_request.request_id)
+        except BaseException:
+            self.output_processor.forget(request.request_id)
+            self.client.finish_requests(sent)
+            raise
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,

@@ -173,8 +173,16 @@ class AsyncLLM:
         self._outputs.add(request_id, processed.prompt, processed.prompt_token_ids, processed.params,
                           processed.child_ids, stream=True, feature_keys=processed.feature_keys)
         self._streams[request_id] = stream
-        for engine_request in processed.engine_requests:
-            self._client.add_request(engine_request)
+        sent = []
+        try:
+            for engine_request in processed.engine_requests:
+                self._client.add_request(engine_request)
+                sent.append(engine_request.request_id)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self._outputs.forget(request_id)
+            self._client.finish_requests(sent)
+            raise
         return stream
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,

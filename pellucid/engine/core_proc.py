@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from pellucid.config import EngineConfig
@@ -49,6 +50,7 @@ class StartupSettings:
     input_address: str         # frontend -> engine
     output_address: str        # engine -> frontend
     log_level: int
+    torch_threads: int         # the frontend's: CPU kernels then sum in the same order in both processes
 
 
 class _Startup(msgspec.Struct):
@@ -63,6 +65,8 @@ class _Startup(msgspec.Struct):
 def main() -> None:
     settings: StartupSettings = pickle.load(sys.stdin.buffer)
     get_logger().setLevel(settings.log_level)
+    import torch
+    torch.set_num_threads(settings.torch_threads)
     _exit_when_frontend_is_gone(sys.stdin.buffer)
     # Ctrl-C in a terminal reaches the whole process group: the frontend decides what happens then.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -169,8 +173,8 @@ class MPClient(BackgroundClient):
         self._output.bind(f"ipc://{self._dir}/output")
         self._encoder = MessageEncoder()
         self._send_lock = threading.Lock()
-        self._proc = _start_process(StartupSettings(config, f"ipc://{self._dir}/input",
-                                                    f"ipc://{self._dir}/output", get_logger().getEffectiveLevel()))
+        self._proc = _start_process(StartupSettings(config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
+                                                    get_logger().getEffectiveLevel(), torch.get_num_threads()))
         try:
             self.info = self._wait_ready()
         except BaseException:
@@ -198,9 +202,17 @@ class MPClient(BackgroundClient):
         self.latest_stats = startup.stats
         return pickle.loads(startup.info)
 
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        try:
+            request = request.with_pickled_extras()
+        except Exception as exc:
+            raise ValueError(f"request {request.request_id!r}: its extras cannot be sent to the engine process "
+                             f"({type(exc).__name__}: {exc}); a Python function in a trace op must be a module-level "
+                             "function, or run the engine in this process (engine_process=False)") from exc
+        self._send(request)
+
     def _send(self, message: Any) -> None:
-        if isinstance(message, EngineCoreRequest):
-            message = message.with_pickled_extras()
         with self._send_lock:
             self._input.send_multipart(self._encoder.encode(message), copy=False)
 

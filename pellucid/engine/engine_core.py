@@ -139,6 +139,8 @@ class EngineCore:
         self.num_steps_ahead = 0                 # steps launched before the previous one was read back
         self.num_step_failures = 0
         self.num_aborted = 0
+        self.num_requests_added = 0
+        self.num_requests_refused = 0
         self.num_steps = 0
         logger.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d KV cache: %d blocks x %d tokens "
                     "= %d tokens; prefix caching %s, chunked prefill %s (budget %d tokens/step)",
@@ -233,12 +235,14 @@ class EngineCore:
             self.features.queued(req)
         if not req.can_step_ahead:
             self._serial_only.append(req)
+        self.num_requests_added += 1
 
     def refuse(self, request: EngineCoreRequest, error: str) -> None:
         """Report a request that add_request refused as failed, in the next step's outputs (for frontends
         that do not wait for add_request's ValueError: an engine in another process)."""
         self._refused.append(EngineCoreOutput(request.request_id, [], finish_reason=RequestStatus.FINISHED_ERROR.value,
                                               error=error))
+        self.num_requests_refused += 1
 
     def finish_requests(self, request_ids: list[str], reason: str = "abort",
                         num_output_tokens: list[int] | None = None) -> None:
@@ -461,6 +465,7 @@ class EngineCore:
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
             num_steps=self.num_steps, num_steps_ahead=self.num_steps_ahead,
             num_step_failures=self.num_step_failures, num_aborted=self.num_aborted,
+            num_requests_added=self.num_requests_added, num_requests_refused=self.num_requests_refused,
             lm_head_usage=self.runner.head.usage())
 
     def reset_prefix_cache(self) -> int:

@@ -14,6 +14,14 @@ from pellucid.engine.messages import EngineCoreRequest
 from pellucid.sampling_params import SamplingParams
 
 
+class ExtrasError(ValueError):
+    """A request feature refused its value in the request's extras (`key`: which feature)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 @dataclass
 class ProcessedRequest:
     """A validated request: what the output processor tracks and the engine requests to send."""
@@ -64,7 +72,10 @@ class InputProcessor:
         max_total = _max_total_tokens(len(ids), params.max_tokens, self.info.max_model_len)
         checked: dict[str, Any] = {}
         for key, value in (extras or {}).items():
-            checked[key] = get_feature(key).check(value, ids, params, max_total, self.info)
+            try:
+                checked[key] = get_feature(key).check(value, ids, params, max_total, self.info)
+            except ValueError as exc:
+                raise ExtrasError(key, str(exc)) from exc
         # The engine reports a request every step only when something here needs its tokens as they come.
         engine_stream = (stream or (params.detokenize and bool(params.stop_strings)) or params.logprobs is not None
                          or params.prompt_logprobs is not None)

@@ -106,6 +106,8 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_steps_ahead: int = 0
     num_step_failures: int = 0
     num_aborted: int = 0
+    num_requests_added: int = 0              # requests the engine core queued
+    num_requests_refused: int = 0            # requests it refused (the frontend checks first)
     lm_head_usage: dict[str, int] = {}       # rows served per head path (LMHead.usage())
 
 

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ValidationError
 
 import pellucid
 from pellucid.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
+from pellucid.engine.input_processor import ExtrasError
+from pellucid.extraction.sink import EXTRACTION_KEY
 from pellucid.extraction.http import ExtractionRequest, ServerExtraction
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
@@ -35,10 +37,14 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
 from pellucid.server.responses import ChoiceTracker, Delta, chat_logprobs, completion_logprobs
 from pellucid.tokenizer import apply_chat_template
 from pellucid.tracing.http import trace_extras, with_saves
+from pellucid.tracing.plan import TRACE_KEY
 
 logger = get_logger(__name__)
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+# Request features (engine extras keys) and the request field each comes from.
+_EXTRAS_FIELDS = {TRACE_KEY: "interventions", EXTRACTION_KEY: "extract_hidden_states"}
 
 
 def error_response_body(error: ProtocolError) -> dict[str, Any]:
@@ -136,6 +142,8 @@ class OpenAIServer:
         except ValueError as exc:
             for stream in streams:
                 stream.cancel()
+            if isinstance(exc, ExtrasError):     # the request field that carried the feature's value
+                param = _EXTRAS_FIELDS.get(exc.key, param)
             raise ProtocolError(str(exc), param=param) from exc
         except BaseException:
             for stream in streams:

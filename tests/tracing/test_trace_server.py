@@ -114,3 +114,23 @@ def test_saves_b64_is_safetensors():
     tensors = {"a": torch.randn(3, 4), "b": torch.arange(5)}
     back = b64_to_tensors(tensors_to_b64(tensors))
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_streamed_interventions_stream_text_and_bring_the_saves_in_the_last_chunk(served, seed):
+    running, client, _ = served
+    ops = ops_to_json([Add(site="model.layers.0", value=_vector(seed + 4) * 0.02), Save(site="model.layers.1", name="h")])
+    kwargs = dict(model=MODEL, prompt=["the cat sat on the mat", "hello world quick brown fox"][seed], max_tokens=12,
+                  temperature=0)
+    whole = client.completions.create(extra_body={"interventions": ops, "ignore_eos": True}, **kwargs)
+    chunks = list(client.completions.create(stream=True, extra_body={"interventions": ops, "ignore_eos": True},
+                                            **kwargs))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len([t for t in texts if t]) > 1                      # the text streamed, token by token
+    assert "".join(texts) == whole.choices[0].text
+    carrying = [c for c in chunks if c.choices and "saves" in (c.choices[0].model_extra or {})]
+    assert len(carrying) == 1 and carrying[0] is [c for c in chunks if c.choices][-1]
+    assert carrying[0].choices[0].finish_reason == "length"
+    streamed = b64_to_tensors(carrying[0].choices[0].model_extra["saves"])["h"]
+    assert torch.equal(streamed, b64_to_tensors(whole.choices[0].model_extra["saves"])["h"])
+    assert carrying[0].choices[0].model_extra["save_positions"] == whole.choices[0].model_extra["save_positions"]
