@@ -2,8 +2,10 @@
 
 Weights are drawn straight into safetensors files (on the GPU when there is one, a layer at a time),
 never through a transformers model object, so an 8B checkpoint takes seconds rather than minutes.
-The tokenizer is the tiny byte-level one: benchmark prompts are token ids and outputs are not
-detokenized (its vocabulary is smaller than the models').
+The tokenizer covers the model's whole vocabulary with one word per id (` t1234`), so every token a
+random model samples decodes to text at once: a streamed response carries one chunk per token, and
+time to first token and inter-token latency are measured on every token (benchmark prompts are
+token ids).
 """
 from __future__ import annotations
 
@@ -67,8 +69,6 @@ def num_parameters(config: dict[str, Any]) -> int:
 
 def build_random_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
     """Write config, tokenizer and random bf16 weights of NAMED_CONFIGS[name] to out_dir (reused if present)."""
-    from pellucid.tiny_models import build_tokenizer
-
     if name not in NAMED_CONFIGS:
         raise ValueError(f"unknown benchmark model {name!r}; choose one of {', '.join(NAMED_CONFIGS)}")
     config = dict(NAMED_CONFIGS[name], torch_dtype="bfloat16", bos_token_id=None, eos_token_id=2, pad_token_id=0)
@@ -76,7 +76,7 @@ def build_random_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
     if os.path.exists(done):
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
-    build_tokenizer(out_dir, vocab_size=512)
+    build_word_tokenizer(out_dir, config["vocab_size"])
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,6 +107,26 @@ def build_random_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
         json.dump({"metadata": {}, "weight_map": shards}, f)
     open(done, "w").close()
     return out_dir
+
+
+_SPECIAL = ["<unk>", "<pad>", "</s>"]     # ids 0, 1, 2 (the named configs' pad and eos ids)
+
+
+def build_word_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """A tokenizer with one word per id, ` t{id}` (ids 0-2 are <unk>, <pad>, </s>), saved for transformers.
+    Every id decodes to its own complete text, so incremental detokenization yields text for every token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(_SPECIAL)}
+    vocab.update({f"\u2581t{i}": i for i in range(len(_SPECIAL), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in _SPECIAL])
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "pad_token": "<pad>",
+                   "eos_token": "</s>", "model_max_length": 1 << 20}, f, indent=1)
 
 
 def resolve_model(name_or_dir: str, cache_root: str) -> str:

@@ -1,46 +1,190 @@
-"""`pellucid bench serve`: start `pellucid serve` on a model in a subprocess, run the HTTP load
-generator (benchmarks/serve_bench.py) against it, stop the server."""
+"""`pellucid bench serve`: the offline engine and `pellucid serve` on the same requests, in one run.
+
+The offline engine (`LLM.generate`, in a child process) runs the whole request set once; then each
+server variant (`process`: the engine core in its own process, the default; `thread`: the engine core
+in a thread of the API server's process, the design before) is started as `pellucid serve` and driven
+with the same requests, all at once and at fixed Poisson rates. Every row is printed beside the offline
+figure (the ratio), with TTFT / ITL percentiles, the engine's mean step time and tokens per step while
+the load ran (its busy time, from /metrics), and the CPU time each process spent per output token:
+the API server's (the frontend: HTTP, tokenization, detokenization, SSE) and the engine core's.
+"""
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import asyncio
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
+from pellucid.bench.common import print_table
 from pellucid.bench.models import resolve_model
+from pellucid.bench.serve_load import LoadRequest, drive, make_requests, summarize
 
-_LOAD_GENERATOR = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "serve_bench.py")
-
-
-# The server's own parser, independent of which subcommands pellucid/cli.py registers.
-_SERVER_MAIN = ("import argparse, sys\n"
-                "from pellucid.server.serve import add_serve_parser\n"
-                "parser = argparse.ArgumentParser()\n"
-                "add_serve_parser(parser.add_subparsers(dest='command', required=True))\n"
-                "args = parser.parse_args(sys.argv[1:])\n"
-                "raise SystemExit(args.func(args) or 0)\n")
+VARIANTS = {"process": [], "thread": ["--no-engine-process"]}
 
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="Qwen3-0.6B")
-    parser.add_argument("--model-cache", default="/tmp/pellucid-bench-models")
+    parser.add_argument("--model", default="Qwen3-0.6B", help="a named random-weight shape or a model directory")
+    parser.add_argument("--model-cache", default=os.path.join(tempfile.gettempdir(), "pellucid-bench-models"))
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("load_args", nargs=argparse.REMAINDER,
-                        help="arguments after -- go to benchmarks/serve_bench.py (e.g. --num-requests 200)")
+    parser.add_argument("--num-requests", type=int, default=1000, help="requests of the all-at-once load")
+    parser.add_argument("--input-len", type=int, nargs=2, default=[32, 1024], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 512], metavar=("MIN", "MAX"))
+    parser.add_argument("--rates", default="inf,10,20,40",
+                        help="comma-separated loads: inf (all at once) or requests per second (Poisson arrivals)")
+    parser.add_argument("--rate-requests", type=int, default=300, help="requests of each fixed-rate load")
+    parser.add_argument("--variants", default="process,thread", help=f"server variants: {', '.join(VARIANTS)}")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline engine's reference row")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-args", default="", help="extra `pellucid serve` flags, e.g. '--max-num-seqs 128'")
 
 
-def _load_generator_main():
-    path = os.path.abspath(_LOAD_GENERATOR)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"the load generator {path} is missing (it ships in the source tree only)")
-    spec = importlib.util.spec_from_file_location("pellucid_serve_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module     # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module.main
+def run_serve_bench(args: argparse.Namespace) -> None:
+    model_dir = resolve_model(args.model, args.model_cache)
+    vocab = _vocab_size(model_dir)
+    requests = make_requests(args.num_requests, tuple(args.input_len), tuple(args.output_len), (10, vocab - 10),
+                             args.seed)
+    rates = [float(r) for r in args.rates.split(",")]
+    headers = ["system", "load", "requests", "output tok/s", "vs offline", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
+               "engine step ms", "tokens/step", "API server CPU us/tok", "engine CPU us/tok", "failed"]
+    rows = []
+    offline = None
+    if not args.no_offline:
+        offline = _run_offline(model_dir, args, requests)
+        rows.append(["LLM.generate", "all at once", str(len(requests)), f"{offline:,.0f}", "1.00x"] + ["-"] * 7)
+        print_table(headers, rows)
+    for variant in args.variants.split(","):
+        with _Server(model_dir, args, VARIANTS[variant]) as server:
+            asyncio.run(drive(server.url, requests[:8], float("inf")))      # warm-up: compilation, graphs
+            for rate in rates:
+                load = requests if rate == float("inf") else requests[:args.rate_requests]
+                rows.append(server.measure(variant, load, rate, args.seed, offline))
+                print_table(headers, rows[-1:])
+    print(f"\n{args.model}, {args.dtype}; prompts {args.input_len[0]}-{args.input_len[1]} tokens, outputs "
+          f"{args.output_len[0]}-{args.output_len[1]} (greedy, ignore_eos), streamed; engine step = busy time / "
+          "steps while the load ran")
+    print_table(headers, rows)
+
+
+def _vocab_size(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+_OFFLINE = """
+import json, sys, time
+from pellucid.llm import LLM
+from pellucid.sampling_params import SamplingParams
+spec = json.load(open(sys.argv[1]))
+llm = LLM(spec["model"], dtype=spec["dtype"], **spec["engine"])
+params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in spec["max_tokens"]]
+llm.generate(spec["prompts"][:8], params[:8], use_tqdm=False)       # warm-up: compilation, graphs
+start = time.perf_counter()
+outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+elapsed = time.perf_counter() - start
+print("RESULT " + json.dumps({"elapsed": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+"""
+
+
+def _run_offline(model_dir: str, args: argparse.Namespace, requests: list[LoadRequest]) -> float:
+    """Output tok/s of LLM.generate on the requests, in a child process (its GPU memory is gone after)."""
+    engine = _engine_kwargs(args.server_args)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": model_dir, "dtype": args.dtype, "engine": engine,
+                   "prompts": [r.prompt for r in requests], "max_tokens": [r.max_tokens for r in requests]}, f)
+    try:
+        done = subprocess.run([sys.executable, "-c", _OFFLINE, f.name], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"the offline run failed:\n{done.stderr[-4000:]}")
+    result = json.loads(line[len("RESULT "):])
+    return result["tokens"] / result["elapsed"]
+
+
+def _engine_kwargs(server_args: str) -> dict:
+    """The engine flags among the server flags, as LLM keyword arguments (the offline run gets the same)."""
+    from pellucid.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    known, _ = parser.parse_known_args(server_args.split())
+    kwargs = engine_kwargs_from_args(known)
+    defaults = engine_kwargs_from_args(parser.parse_args([]))
+    return {k: v for k, v in kwargs.items() if v != defaults[k] and k not in ("dtype", "engine_process")}
+
+
+class _Server:
+    """`pellucid serve` in a child process, and the measurements of one load against it."""
+
+    def __init__(self, model_dir: str, args: argparse.Namespace, variant_flags: list[str]) -> None:
+        self.url = f"http://127.0.0.1:{args.port}"
+        self.cmd = [sys.executable, "-m", "pellucid", "serve", model_dir, "--port", str(args.port), "--dtype",
+                    args.dtype, "--log-stats-interval", "0", "--uvicorn-log-level", "warning", *variant_flags,
+                    *args.server_args.split()]
+        self.timeout = args.startup_timeout
+
+    def __enter__(self) -> "_Server":
+        self.proc = subprocess.Popen(self.cmd)
+        _wait_ready(self.url, self.proc, self.timeout)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def measure(self, variant: str, load: list[LoadRequest], rate: float, seed: int, offline: float | None) -> list[str]:
+        before_metrics, before_cpu = self._metrics(), self._cpu_seconds()
+        results, duration = asyncio.run(drive(self.url, load, rate, seed=seed))
+        after_metrics, after_cpu = self._metrics(), self._cpu_seconds()
+        s = summarize(results, duration)
+        steps = after_metrics["pellucid:engine_steps"] - before_metrics["pellucid:engine_steps"]
+        busy = after_metrics["pellucid:engine_step_seconds"] - before_metrics["pellucid:engine_step_seconds"]
+        tokens = s.output_tokens
+        per_token = [f"{(after - before) / max(tokens, 1) * 1e6:.1f}" for before, after in zip(before_cpu, after_cpu)]
+        for error in s.errors:
+            print(f"error ({variant}, rate {rate:g}): {error}", file=sys.stderr)
+        return [f"serve ({variant})", "all at once" if rate == float("inf") else f"{rate:g} req/s", str(len(load)),
+                f"{s.output_tok_s:,.0f}", f"{s.output_tok_s / offline:.2f}x" if offline else "-",
+                f"{s.ttft_ms[0]:.1f} / {s.ttft_ms[1]:.1f}", f"{s.itl_ms[0]:.2f} / {s.itl_ms[1]:.2f}",
+                f"{busy / steps * 1e3:.2f}" if steps else "-", f"{tokens / steps:.1f}" if steps else "-",
+                per_token[0], per_token[1] if len(per_token) > 1 else "-", str(s.num_failed)]
+
+    def _metrics(self) -> dict[str, float]:
+        import httpx
+        values = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("pellucid:") and "{" in line:
+                values[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+        return values
+
+    def _cpu_seconds(self) -> list[float]:
+        """CPU time (user + system) of the server process, then of its engine process if it has one."""
+        pids = [self.proc.pid] + _children(self.proc.pid)
+        return [_cpu_time(pid) for pid in pids]
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    return children
+
+
+def _cpu_time(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_ready(url: str, server: subprocess.Popen, timeout: float) -> None:
@@ -58,23 +202,3 @@ def _wait_ready(url: str, server: subprocess.Popen, timeout: float) -> None:
         time.sleep(1.0)
     raise TimeoutError(f"the server at {url} was not ready after {timeout:.0f} s")
 
-
-def run_serve_bench(args: argparse.Namespace) -> None:
-    model_dir = resolve_model(args.model, args.model_cache)
-    main = _load_generator_main()
-    server_cmd = [sys.executable, "-c", _SERVER_MAIN, "serve", model_dir, "--port", str(args.port),
-                  "--dtype", "bfloat16"]
-    server = subprocess.Popen(server_cmd)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        _wait_ready(url, server, args.startup_timeout)
-        load_args = [a for a in args.load_args if a != "--"]
-        saved = sys.argv
-        sys.argv = ["serve_bench.py", "--base-url", url, *load_args]
-        try:
-            main()
-        finally:
-            sys.argv = saved
-    finally:
-        server.terminate()
-        server.wait(timeout=60)

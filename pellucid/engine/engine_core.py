@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -142,6 +143,7 @@ class EngineCore:
         self.num_requests_added = 0
         self.num_requests_refused = 0
         self.num_steps = 0
+        self.step_seconds = 0.0
         logger.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d KV cache: %d blocks x %d tokens "
                     "= %d tokens; prefix caching %s, chunked prefill %s (budget %d tokens/step)",
                     mc.model, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,
@@ -316,6 +318,7 @@ class EngineCore:
         A request that ends with N's token (EOS, a stop string, an abort) already has an N+1 token in
         flight: update_from_output drops it, so nothing past the end is ever reported.
         """
+        started = time.perf_counter()
         outputs: list[EngineCoreOutput] = []
         current, self._in_flight = self._in_flight, None
         if current is None:
@@ -337,7 +340,9 @@ class EngineCore:
             outputs = [make(req, ro) for req in changed if req.stream_outputs or req.status is not _RUNNING]
             if self._deferred:
                 outputs = [out for out in outputs if out is not None]
-        return EngineCoreOutputs(self._with_pending(outputs))
+        outputs = self._with_pending(outputs)
+        self.step_seconds += time.perf_counter() - started
+        return EngineCoreOutputs(outputs)
 
     def _with_pending(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """`outputs` plus the requests that ended outside the step and have not been reported."""
@@ -463,7 +468,7 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
-            num_steps=self.num_steps, num_steps_ahead=self.num_steps_ahead,
+            num_steps=self.num_steps, step_seconds=self.step_seconds, num_steps_ahead=self.num_steps_ahead,
             num_step_failures=self.num_step_failures, num_aborted=self.num_aborted,
             num_requests_added=self.num_requests_added, num_requests_refused=self.num_requests_refused,
             lm_head_usage=self.runner.head.usage())

@@ -103,6 +103,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_steps: int = 0
+    step_seconds: float = 0.0                # wall time spent in steps (the engine's busy time)
     num_steps_ahead: int = 0
     num_step_failures: int = 0
     num_aborted: int = 0

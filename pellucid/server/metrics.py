@@ -38,6 +38,8 @@ class ServerMetrics:
         self.kv_used_blocks = gauge("pellucid:kv_cache_used_blocks", "KV cache blocks in use")
         self.kv_total_blocks = gauge("pellucid:kv_cache_total_blocks", "KV cache blocks in the pool")
         self.engine_steps = gauge("pellucid:engine_steps", "Engine steps run so far")
+        self.engine_step_seconds = gauge("pellucid:engine_step_seconds",
+                                         "Wall time the engine core spent in its steps so far (busy time)")
         self.prompt_tokens = counter("pellucid:prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("pellucid:generation_tokens", "Tokens generated")
         self.preemptions = counter("pellucid:num_preemptions", "Requests preempted")
@@ -66,6 +68,7 @@ class ServerMetrics:
             self.kv_used_blocks.set(stats.num_used_blocks)
             self.kv_total_blocks.set(stats.num_total_blocks)
             self.engine_steps.set(stats.num_steps)
+            self.engine_step_seconds.set(stats.step_seconds)
             for key, value, metric in (("prompt", stats.prompt_tokens_total, self.prompt_tokens),
                                        ("generation", stats.generation_tokens_total, self.generation_tokens),
                                        ("preemptions", stats.num_preemptions, self.preemptions),

@@ -1,27 +1,44 @@
-"""`pellucid bench serve` end to end on the CPU: it starts a real server on a tiny random model, drives it
-with the HTTP load generator, and every request succeeds with the output lengths it asked for."""
+"""`pellucid bench serve` end to end on the CPU: it runs the offline engine and both server variants on the
+same requests and prints one row each, every request served with the lengths it asked for."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
+import tempfile
+
+from pellucid.bench.models import build_word_tokenizer
+from pellucid.tokenizer import IncrementalDetokenizer, load_tokenizer
+from server_harness import free_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_bench_serve_runs_the_load_generator_against_a_real_server(tiny_model_factory):
+def test_bench_serve_runs_offline_and_both_servers_on_the_same_requests(tiny_model_factory):
     model_dir = tiny_model_factory("qwen3")
-    result = subprocess.run([sys.executable, "-m", "pellucid.bench", "serve", "--model", model_dir,
-                             "--port", str(_free_port()), "--", "--num-requests", "6", "--output-len-max", "24"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "pellucid", "bench", "serve", "--model", model_dir,
+                             "--dtype", "float32", "--port", str(free_port()), "--num-requests", "6",
+                             "--input-len", "4", "24", "--output-len", "4", "12", "--rates", "inf,50",
+                             "--rate-requests", "4", "--server-args", "--device cpu --num-kv-blocks 128"],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    counts = re.search(r"successful / failed requests\s*\|\s*(\d+) / (\d+)", result.stdout)
-    assert counts is not None, result.stdout
-    assert (int(counts.group(1)), int(counts.group(2))) == (6, 0)
-    throughput = re.search(r"output throughput \(tok/s\)\s*\|\s*([\d.]+)", result.stdout)
-    assert throughput is not None and float(throughput.group(1)) > 0
+    table = result.stdout.rsplit("greedy, ignore_eos", 1)[1]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [[cell.strip() for cell in row] for row in rows[1:]]
+    assert [row[0] for row in rows] == ["LLM.generate", "serve (process)", "serve (process)", "serve (thread)",
+                                        "serve (thread)"]
+    for row in rows[1:]:
+        assert row[-1] == "0"                                   # no failed request
+        assert float(row[3].replace(",", "")) > 0               # output tok/s
+        assert re.fullmatch(r"[\d.]+x", row[4])                 # the ratio to the offline run
+        assert float(row[9]) > 0                                # API server CPU per token
+    assert all(row[10] != "-" for row in rows[1:3]) and all(row[10] == "-" for row in rows[3:])
+
+
+def test_the_benchmark_tokenizer_spells_every_id_at_once():
+    out = tempfile.mkdtemp()
+    build_word_tokenizer(out, 5000)
+    tokenizer = load_tokenizer(out)
+    assert len(tokenizer) == 5000
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = list(range(3, 5000, 7))
+    assert all(detok.add(i) for i in ids)                       # every token streams its own text
+    assert detok.text.split() == [f"t{i}" for i in ids]
