@@ -1,7 +1,7 @@
 """Build the training corpus from Debian packages: `python -m pellucid.training.corpus --out DIR [--install]`.
 
 Writes DIR/train.jsonl.xz and DIR/val.jsonl.xz (one {"source", "id", "text"} per line), DIR/val.txt (the
-validation documents joined by the end-of-text token, the file `pellucid eval ppl` reads), DIR/words.txt
+validation documents, each followed by the end-of-text token: the file `pellucid eval ppl` reads), DIR/words.txt
 (every word seen at least twice in the train split, for checking generated text) and DIR/manifest.json
 (package versions, licenses, sizes, hashes). A document goes to validation when a hash of its id says so,
 so the split does not depend on the order or the number of documents.
@@ -95,7 +95,9 @@ def build_corpus(out_dir: str, min_word_count: int = 2) -> dict:
                                   "license": source.license, "description": source.description, **counts}
             logger.info("%s: %s", source.name, counts)
     with open(os.path.join(out_dir, "val.txt"), "w", encoding="utf-8") as handle:
-        handle.write(f"\n{END_OF_TEXT}\n".join(val_docs) + "\n")
+        # Each document followed by the end-of-text token, as the training stream has it, so that
+        # `pellucid eval ppl --data val.txt` scores the windows that training's validation scored.
+        handle.write("".join(text + END_OF_TEXT for text in val_docs))
     words = sorted(w for w, n in word_counts.items() if n >= min_word_count)
     with open(os.path.join(out_dir, "words.txt"), "w", encoding="utf-8") as handle:
         handle.write("\n".join(words) + "\n")
