@@ -7,5 +7,6 @@ Three steps, each a module that can be run with `python -m`:
 - `pellucid.training.tokenizer`: a byte-level BPE trained on the corpus's train split.
 - `pellucid.training.train`: a Qwen3-architecture model trained with a plain PyTorch loop.
 
-docs/default_model.md records the commands that produced the committed model.
+The model card, pellucid/data/default-model/README.md, records the commands that produced the committed
+model; BENCHMARKS.md the device run.
 """

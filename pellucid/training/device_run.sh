@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device call that trained the committed default model (docs/default_model.md).
+# The device call that trained the committed default model (pellucid/data/default-model/README.md).
 # Run from a checkout holding corpus/ (train.jsonl.xz, val.jsonl.xz, manifest.json) and tokenizer/.
 #   1. a 40-step probe measures the step time; the step count is chosen once from it so that a run
 #      trains for about TARGET_S seconds (rounded down to a multiple of 100 steps),
