@@ -3,7 +3,8 @@
     python benchmarks/cpu_generate_bench.py [--num-prompts 32] [--output-len 64] [--repeats 3]
 
 Prints output tokens/s for both (median of --repeats runs) and the ratio. The model is the embedded
-default model (random weights, Qwen3-style, float32), so the figure measures engine work, not quality.
+default model (pellucid-debian-13m, Qwen3, float32 on the CPU); the figure measures engine work, not quality.
+Figures in BENCHMARKS.md from before 2026-11-25 used the earlier random-weight default (4 layers, hidden 256).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ untraced requests read the cache (a traced request computes every prompt positio
 Prints output tokens/s (median of --repeats; the three workloads are interleaved within each repeat)
 and the ratio to untraced: the median over repeats of each repeat's ratio, with every repeat's ratio.
 One full pass of each workload runs first (kernel compilation, graph captures with the taps).
-Without --model it uses the embedded default model (random weights).
+Without --model it uses the embedded default model (pellucid-debian-13m).
 On a GPU, decode steps whose ops are all taps (save, add, ... ; pellucid/tracing/taps.py) replay CUDA
 graphs captured with those taps, like untraced steps; the last line says how many replays had taps.
 

@@ -1,4 +1,4 @@
-"""`pellucid generate | serve | bench | extract | flashhead`."""
+"""`pellucid generate | serve | bench | extract | flashhead | eval`."""
 from __future__ import annotations
 
 import argparse
@@ -35,13 +35,13 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pellucid.default_model import ensure_default_model, is_default_model
+    from pellucid.default_model import DEFAULT_MODEL_NAME, DEFAULT_MODEL_SUMMARY, ensure_default_model, is_default_model
     from pellucid.llm import LLM
 
     model = args.model or ensure_default_model()
     if is_default_model(model):
-        print("[pellucid] using the embedded default model: RANDOM WEIGHTS, NOT TRAINED - its text is "
-              "gibberish. Pass --model DIR for a real model.", file=sys.stderr)
+        print(f"[pellucid] using the embedded default model {DEFAULT_MODEL_NAME}: {DEFAULT_MODEL_SUMMARY}. "
+              "Pass --model DIR for another model.", file=sys.stderr)
     llm = LLM(model, **engine_kwargs_from_args(args))
     params = sampling_params_from_args(args)
     if args.chat:
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
-    gen.add_argument("--model", default=None, help="HuggingFace-format model directory (default: embedded random model)")
+    gen.add_argument("--model", default=None, help="HuggingFace-format model directory (default: the embedded pellucid-debian-13m)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     add_engine_args(gen)
     add_sampling_args(gen)
@@ -89,10 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _subcommand_registrars():
     """Each feature package contributes its own subcommands."""
     from pellucid.bench import add_bench_parser
+    from pellucid.eval.cli import add_eval_parser
     from pellucid.extraction.cli import add_extract_parser
     from pellucid.heads.flashhead.cli import add_flashhead_parser
     from pellucid.server.serve import add_serve_parser
-    return [add_serve_parser, add_bench_parser, add_extract_parser, add_flashhead_parser]
+    return [add_serve_parser, add_bench_parser, add_extract_parser, add_flashhead_parser, add_eval_parser]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,12 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512, model_max_length: int =
         raise ValueError(f"the embedded training text supports at most {tokenizer.get_vocab_size()} tokens, "
                          f"asked for vocab_size={vocab_size}")
 
+    save_transformers_tokenizer(tokenizer, out_dir, model_max_length)
+
+
+def save_transformers_tokenizer(tokenizer: Any, out_dir: str, model_max_length: int) -> None:
+    """Write a `tokenizers.Tokenizer` that holds SPECIAL_TOKENS as a transformers fast tokenizer with the
+    ChatML template (tokenizer.json, tokenizer_config.json, special_tokens_map.json)."""
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"), pretty=True)
     special = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}

@@ -19,7 +19,7 @@ logger = get_logger(__name__)
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     parser.add_argument("model", help="HuggingFace-format model directory, or 'default' for the embedded "
-                                      "random-weight default model")
+                                      "default model (pellucid-debian-13m)")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -49,9 +49,9 @@ def run_server(args: argparse.Namespace) -> int:
 
     model = args.model
     if model == "default":
-        from pellucid.default_model import ensure_default_model
+        from pellucid.default_model import DEFAULT_MODEL_NAME, ensure_default_model
         model = ensure_default_model()
-        logger.warning("serving the embedded default model: RANDOM WEIGHTS, NOT TRAINED - its text is gibberish")
+        logger.info("serving the embedded default model %s", DEFAULT_MODEL_NAME)
     served_name = args.served_model_name or args.model
     try:
         llm = AsyncLLM(model, served_model_name=served_name, **engine_kwargs_from_args(args))
