@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Before torch loads OpenMP: the tests run engines in this process, in engine-core processes and in server
+# processes on a 2-core machine, where OpenMP threads spinning while they wait starve the others
+# (see pellucid/engine/core_proc.py, which sets the same for its engine processes).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -45,6 +45,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_server(args: argparse.Namespace) -> int:
     from pellucid.engine.async_llm import AsyncLLM
     from pellucid.engine.core_client import EngineStartupError
+    from pellucid.engine.core_proc import freeze_startup_heap
     from pellucid.server.app import build_app
 
     model = args.model
@@ -68,6 +69,7 @@ def run_server(args: argparse.Namespace) -> int:
         # An engine that dies has already failed its requests; the server stops taking new ones and exits
         # non-zero (a supervisor restarts it) instead of answering 503 forever.
         llm.on_engine_dead(server.engine_died)
+        freeze_startup_heap()
         server.run()
     finally:
         # Whatever uvicorn left running is aborted here, so every KV block is returned before exit.
