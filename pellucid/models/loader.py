@@ -56,29 +56,41 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
 
 
 def _load_weights(model: nn.Module, model_dir: str) -> None:
+    """Fill every parameter from the checkpoint. A model may place a tensor into part of a parameter
+    (`checkpoint_target(name) -> (parameter name, index)`, e.g. one expert's slice of a fused expert
+    tensor); a parameter counts as loaded once tensors have filled all of its elements."""
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     tied_lm_head = "lm_head.weight" not in params
-    loaded: set[str] = set()
+    resolve = getattr(model, "checkpoint_target", None)
+    filled: dict[str, int] = defaultdict(int)     # parameter name -> elements written
     unexpected: list[str] = []
     with torch.no_grad():
         for path, name, tensor in _iter_checkpoint(model_dir):
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
                 continue
-            param = params.get(name)
+            target = resolve(name) if resolve is not None else None
+            param_name, index = target if target is not None else (name, ())
+            param = params.get(param_name)
             if param is None:
                 unexpected.append(f"{name} (in {os.path.basename(path)})")
                 continue
-            if tuple(tensor.shape) != tuple(param.shape):
+            dest = param[index] if index else param
+            if tuple(tensor.shape) != tuple(dest.shape):
+                where = "" if param_name == name else f" (its part of {param_name!r}, shape {tuple(param.shape)})"
                 raise ValueError(f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(param.shape)}")
-            param.copy_(tensor)
-            loaded.add(name)
+                                 f"the model expects {tuple(dest.shape)}{where}")
+            dest.copy_(tensor)
+            filled[param_name] += dest.numel()
+            if filled[param_name] > param.numel():
+                raise ValueError(f"checkpoint in {model_dir} fills {param_name!r} more than once (last from "
+                                 f"{name!r}): it holds the same weights in two layouts")
     if unexpected:
         raise ValueError(f"checkpoint in {model_dir} has tensors the model does not use (config mismatch?): "
                          f"{_first(unexpected)}")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(name for name, param in params.items() if filled[name] < param.numel())
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(missing)}")
+        partial = [f"{n} ({filled[n]} of {params[n].numel()} elements)" if filled[n] else n for n in missing]
+        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(partial)}")
 
 
 def _first(names: list[str], limit: int = 10) -> str:
