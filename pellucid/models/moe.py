@@ -81,7 +81,7 @@ class TopKRouting(nn.Module):
         """(ids [T, k], weights [T, k], the fused kernels' token layout or None) without calling the module."""
         if fused_kernels_enabled(logits, "moe"):
             from pellucid.kernels.fused_moe import route_and_align
-            return route_and_align(logits, self.spec)
+            return route_and_align(logits.contiguous(), self.spec)
         ids, weights = route(logits, self.spec)
         return ids, weights, None
 
