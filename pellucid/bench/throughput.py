@@ -19,6 +19,7 @@ import torch
 from pellucid.bench.common import (add_model_args, kv_bytes_per_token, make_engine, print_table, random_prompts,
                                    weight_bytes_per_step)
 from pellucid.bench.floors import measure_floors, print_floors
+from pellucid.bench.moe import decode_bytes, is_moe, measure_experts_touched
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +55,18 @@ def run_engine(core, prompts: list[list[int]], output_lens: list[int], tag: str)
 
 
 def run_transformers(model_dir: str, prompts: list[list[int]], output_lens: list[int]) -> float:
+    import os
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    from pellucid.models.loader import RANDOM_WEIGHTS_FILE, read_hf_config
+
+    if os.path.isfile(os.path.join(model_dir, RANDOM_WEIGHTS_FILE)):
+        # A shape with no weight files (bench/models.py): transformers draws its own random weights.
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(read_hf_config(model_dir), dtype=torch.bfloat16).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -94,8 +104,12 @@ def run_throughput(args: argparse.Namespace) -> None:
     run_engine(core, random_prompts([32] * 4, vocab, args.seed + 7), [8] * 4, "warmup")
     elapsed = run_engine(core, prompts, output_lens, "tp")
     model = core.runner.model
-    floor = floors.bytes_time(memory_floor_bytes(weight_bytes_per_step(model), kv_bytes_per_token(model, core.dtype),
-                                                 input_lens, output_lens))
+    weights = weight_bytes_per_step(model)
+    if is_moe(model):    # the experts a full batch touches per step (nearly all of them from ~64 tokens on)
+        batch = min(args.max_num_seqs, args.num_requests)
+        weights = decode_bytes(model, weights, measure_experts_touched(core, batch, 64, 4, args.seed + 3))
+    floor = floors.bytes_time(memory_floor_bytes(weights, kv_bytes_per_token(model, core.dtype), input_lens,
+                                                 output_lens))
     tokens = sum(output_lens)
     print_floors(floors)
     print(f"\nworkload: {args.num_requests} requests, input and output lengths uniform in [{args.min_len}, "

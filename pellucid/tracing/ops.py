@@ -289,7 +289,11 @@ def op_from_json(body: Any) -> Op:
     if kind == "scale" and "factor" not in kwargs:
         raise ValueError("op 'scale' needs a 'factor'")
     if kind == "scale" and isinstance(kwargs["factor"], (str, list)):
-        kwargs["factor"] = _tensor_from_json(kwargs["factor"], "factor")
+        try:
+            kwargs["factor"] = _tensor_from_json(kwargs["factor"], "factor")
+        except ValueError as exc:
+            raise ValueError(f"scale factor must be a number, a list of numbers or base64 safetensors holding one "
+                             f"tensor: {exc}") from exc
     if kwargs.get("point") is None:
         kwargs.pop("point", None)
     if kwargs.get("phase") is None:

@@ -225,3 +225,22 @@ def test_other_expert_layouts_are_refused_by_name(checkpoints, tmp_path) -> None
         t["model.layers.0.mlp.experts.down_proj"] = torch.zeros(8, 64, 32)
     with pytest.raises(ValueError, match="more than once"):
         load_model(write("both", both), torch.float32, "cpu")
+
+
+def test_benchmark_shape_without_weight_files_draws_them_at_load(checkpoints, tmp_path) -> None:
+    """pellucid_random_weights.json instead of safetensors (bench/models.py's 30B shape): every parameter is
+    drawn, reproducibly from the seed, at the scale the checkpoint writer uses."""
+    from pellucid.models.loader import RANDOM_WEIGHTS_FILE
+
+    source = checkpoints("qwen3-moe-e8k2")
+    for name in ("config.json",):
+        (tmp_path / name).write_bytes(open(os.path.join(source, name), "rb").read())
+    (tmp_path / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": 3}))
+    first, _ = load_model(str(tmp_path), torch.float32, "cpu")
+    again, _ = load_model(str(tmp_path), torch.float32, "cpu")
+    for (name, p), q in zip(first.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), name
+        if p.dim() == 1:
+            assert (p - 1).abs().max() < 0.5, name
+        else:
+            assert abs(p.std().item() * p.shape[-1] ** 0.5 - 1) < 0.2, name
