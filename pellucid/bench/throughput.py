@@ -12,6 +12,7 @@ uniform in [100, 1024], seeded, random token ids, ignore_eos), against
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -123,7 +124,8 @@ def run_throughput(args: argparse.Namespace) -> None:
         sub_out = [max(1, round(x * args.hf_scale)) for x in output_lens[:n]]
         sub_prompts = [p[:k] for p, k in zip(prompts[:n], sub_in)]
         ours = run_engine(core, sub_prompts, sub_out, "sub")
-        del core
+        del core, model
+        gc.collect()            # the engine's reference cycles hold its weights and KV cache until collected
         torch.cuda.empty_cache()
         theirs = run_transformers(model_dir, sub_prompts, sub_out)
         sub_tokens = sum(sub_out)
