@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 19 (mixture-of-experts models) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue19.sh [SECTION ...]
-#   sections: checks tests kernels sweep latency throughput
+#   sections: diag checks tests kernels sweep latency throughput
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 # Sections stop starting after TOTAL_S seconds (default 570) so one device call holds the script.
 set -u
@@ -26,12 +26,15 @@ run() {  # run NAME TIMEOUT CMD...: full output to all.log, tables and verdicts 
   timeout "$limit" "$@" > "/tmp/$name.log" 2>&1
   local rc=$?
   cat "/tmp/$name.log" >> "$OUT/all.log"
-  grep -E '^\||^weights|^prompt|^workload|passed|failed|Error|PASSED|FAILED|checks' "/tmp/$name.log" | tail -60 >> "$OUT/summary.md"
+  grep -E '^\||^weights|^prompt|^workload|passed|failed|Error|PASSED|FAILED|checks|^replay|^engine|^query|^seq_lens|^touched' "/tmp/$name.log" | tail -60 >> "$OUT/summary.md"
   echo "-- $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.md"
 }
 
 for s in $sections; do
   case $s in
+    diag) run diag_traced 90 python3 benchmarks/moe_graph_diag.py --traced-first
+          run diag_plain 90 python3 benchmarks/moe_graph_diag.py
+          PELLUCID_PDL=0 run diag_traced_nopdl 90 python3 benchmarks/moe_graph_diag.py --traced-first ;;
     checks) run moe_checks 120 python3 tests/gpu/moe_checks.py cuda routing experts block ;;
     tests) run moe_tests 200 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_moe_gpu.py \
              tests/gpu/test_no_sync.py tests/gpu/test_async_scheduling.py ;;

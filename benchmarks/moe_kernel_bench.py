@@ -48,7 +48,14 @@ def _candidates(block_m: int, which: str):
     if block_m == 16:
         ns = (16, 32, 64) if which == "gate_up" else (32, 64, 128)
         return [GemmTile(n, k, 4, 4) for n in ns for k in (64, 128, 256)]
-    return [GemmTile(n, k, w, 3) for n in (64, 128) for k in (64, 128) for w in (4, 8)]
+    if block_m == 32:
+        return [GemmTile(n, k, w, 3) for n in (64, 128) for k in (64, 128) for w in (4, 8)]
+    return [GemmTile(n, 64, w, s) for n in (64, 128) for w in (4, 8) for s in (3, 4)]
+
+
+def _block_ms(tokens: int) -> list[int]:
+    per_expert = tokens * K / E
+    return [16] if per_expert <= 8 else [16, 32] if per_expert <= 32 else [64, 128]
 
 
 def main() -> None:
@@ -97,7 +104,7 @@ def main() -> None:
         rows.append([str(tokens), f"{touched:.1f}", f"{total:.1f}", *(f"{v:.1f}" for v in parts.values()),
                      f"{floor:.1f}", "bytes" if bytes_floor >= flops_floor else "FLOPs", f"{total / floor:.2f}x"])
         if args.sweep:
-            for block_m in sorted({tiles.block_m, 16, 32, 64} if tokens * K / E > 8 else {16}):
+            for block_m in _block_ms(tokens):
                 layouts = [fused_moe.route_and_align(logits[l], spec, fused_moe.MoeTiles(block_m, tiles.gate_up,
                                                                                          tiles.down))
                            for l in range(LAYERS)]

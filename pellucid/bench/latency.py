@@ -79,11 +79,15 @@ def run_latency(args: argparse.Namespace) -> None:
     kv_token = kv_bytes_per_token(model, core.dtype)
     _run_batch(core, min(batches), 16, 8, args.seed + 99)    # warm-up: kernel compilation
     moe = is_moe(model)
-    rows = []
+    timed = []
     for batch in batches:
         prefill, steps = _run_batch(core, batch, args.input_len, args.output_len, args.seed + batch)
-        step = statistics.median(steps)
-        forward = _graph_forward_seconds(core, batch)
+        timed.append((batch, prefill, statistics.median(steps), _graph_forward_seconds(core, batch)))
+    long_prefill = [_run_batch(core, 1, args.prefill_len, 1, args.seed + 1000 + rep)[0]
+                    for rep in range(3 if args.prefill_len else 0)]
+    rows = []
+    for batch, prefill, step, forward in timed:
+        # After all timings: these traced runs capture graph variants of their own.
         mean_context = args.input_len + args.output_len / 2
         step_weights, touched = weights, []
         if moe:
@@ -101,11 +105,7 @@ def run_latency(args: argparse.Namespace) -> None:
     print_table(["model", "mode", "batch", *(["experts touched"] if moe else []), "weights GB/step", "prefill ms",
                  "decode ms/step", "tokens/s", "graph forward ms", "floor ms/step", "step / floor"], rows)
     if args.prefill_len:
-        times = []
-        for rep in range(3):
-            prefill, _ = _run_batch(core, 1, args.prefill_len, 1, args.seed + 1000 + rep)
-            times.append(prefill)
-        t = statistics.median(times)
+        t = statistics.median(long_prefill)
         flops = prefill_flops(model, args.prefill_len) + moe_prefill_flops(model, args.prefill_len)
         rate = flops / t
         print()

@@ -2,8 +2,8 @@
 
 Per MoE layer (pellucid.models.moe calls these while `fused_kernels_enabled(x, "moe")`):
 1. the router GEMM (the `gate` module, an ordinary linear layer);
-2. `route_and_align`: softmax, top-k, renormalisation and the entries grouped by expert in blocks of
-   `block_m` rows (moe_routing.py); one launch up to moe_routing.ONE_PROGRAM_TOKENS tokens;
+2. `route_and_align`: softmax, top-k, renormalisation, then the entries grouped by expert in blocks of
+   `block_m` rows (moe_routing.py, two launches);
 3. `fused_experts`: the gate/up grouped GEMM with SiLU-and-mul, the down grouped GEMM weighted by the
    routing weights, and the sum over each token's experts (moe_gemm.py).
 
@@ -33,19 +33,26 @@ class MoeTiles:
     down: GemmTile
 
 
-DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4))
-MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
-PREFILL_TILES = MoeTiles(64, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3))
+# Chosen from benchmarks/moe_kernel_bench.py --sweep on an H100 (BENCHMARKS.md, issue 19), Qwen3-30B-A3B layer
+# shape, bf16: decode (<= 16 entries per expert) 16-row blocks; mid-size batches 32; prefill 64.
+DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
+MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))
+PREFILL_TILES = MoeTiles(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3))
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
-    """Tiles for a batch: a function of the shapes alone, so a graph capture records the same kernels."""
+    """Tiles for a batch (for 2-byte dtypes): a function of the shapes alone, so a graph capture records the
+    same kernels."""
     per_expert = num_tokens * top_k / num_experts
-    if per_expert <= 16:
-        return DECODE_TILES
-    if per_expert <= 64:
-        return MID_TILES
-    return PREFILL_TILES
+    return DECODE_TILES if per_expert <= 16 else MID_TILES if per_expert <= 64 else PREFILL_TILES
+
+
+def fit_dtype(tiles: MoeTiles, dtype: torch.dtype) -> MoeTiles:
+    """Four-byte dtypes take half-depth K tiles: the same shared memory per pipeline stage."""
+    if torch.empty((), dtype=dtype).element_size() < 4:
+        return tiles
+    half = lambda t: GemmTile(t.block_n, max(16, t.block_k // 2), t.num_warps, t.num_stages)  # noqa: E731
+    return MoeTiles(tiles.block_m, half(tiles.gate_up), half(tiles.down))
 
 
 def route_and_align(logits: torch.Tensor, spec, tiles: MoeTiles | None = None
@@ -72,7 +79,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     if x.stride(-1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
         raise ValueError("fused MoE needs activations with unit stride along the hidden dimension and contiguous "
                          "expert weights")
-    tiles = tiles or pick_tiles(num_tokens, top_k, num_experts)
+    tiles = fit_dtype(tiles or pick_tiles(num_tokens, top_k, num_experts), x.dtype)
     if layout is None or layout.block_m != tiles.block_m:
         layout = layout_for(ids, num_experts, tiles.block_m)
     h = gate_up_silu(x, gate_up, layout, tiles.gate_up)

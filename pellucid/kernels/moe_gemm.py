@@ -3,9 +3,10 @@
 Program (block, column tile) multiplies the block's rows (token-expert entries, all of one expert) by that
 expert's weights:
 - `gate_up_silu`: x[token] @ gate_up[e]^T for the gate and the up rows of the tile, then silu(gate) * up,
-  rounded where the torch code rounds (each product to the activation dtype, silu, the product), stored at
-  the entry's row of an [entries, I] buffer;
-- `down_weighted`: that buffer's rows @ down[e]^T, rounded, times the entry's routing weight, rounded again
+  rounded where the torch code rounds (each product to the activation dtype, silu, the product), stored in
+  the layout's row order (row block * BLOCK_M + i of a [blocks * BLOCK_M, I] buffer), so the next GEMM
+  reads whole blocks of consecutive rows;
+- `down_weighted`: those rows @ down[e]^T, rounded, times the entry's routing weight, rounded again
   (transformers multiplies the rounded expert output by the weight), stored at the entry's row of [entries, H];
 - `sum_top_k`: each token's top-k rows summed in float32 (transformers adds them one by one in the
   activation dtype; the sum differs from it by that rounding only).
@@ -46,14 +47,16 @@ def _dot(a, b, acc, UPCAST_DOT: tl.constexpr):
 
 @triton.jit
 def _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M: tl.constexpr):
-    """(expert, entries [BLOCK_M], row mask) of this program's block; expert < 0 past the last block."""
+    """(expert, entries [BLOCK_M], the block's rows in layout order, row mask) of this program's block;
+    expert < 0 past the last block."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     rows = tl.load(block_rows_ptr + block)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < rows
-    entries = tl.load(sorted_ptr + block * BLOCK_M + offs_m, mask=mask_m, other=0)
-    return expert, entries, mask_m
+    slots = block.to(tl.int64) * BLOCK_M + offs_m
+    entries = tl.load(sorted_ptr + slots, mask=mask_m, other=0)
+    return expert, entries, slots, mask_m
 
 
 @triton.jit
@@ -63,7 +66,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, bl
                          UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     release_dependents(PDL)
     wait_for_previous_kernel(PDL)
-    expert, entries, mask_m = _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
+    expert, entries, slots, mask_m = _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
     if expert >= 0:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < I
@@ -91,7 +94,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, bl
         gate = acc_gate.to(act_dtype).to(tl.float32)
         up = acc_up.to(act_dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(act_dtype).to(tl.float32)
-        out = out_ptr + entries.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+        out = out_ptr + slots[:, None] * stride_ot + offs_n[None, :]
         tl.store(out, (act * up).to(act_dtype), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -101,13 +104,13 @@ def _down_weighted_kernel(h_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     release_dependents(PDL)
     wait_for_previous_kernel(PDL)
-    expert, entries, mask_m = _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
+    expert, entries, slots, mask_m = _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
     if expert >= 0:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
         safe_n = tl.where(mask_n, offs_n, 0).to(tl.int64)
         w_rows = w_ptr + expert.to(tl.int64) * stride_we + safe_n[:, None] * stride_wn
-        h_rows = h_ptr + entries.to(tl.int64)[:, None] * stride_ht
+        h_rows = h_ptr + slots[:, None] * stride_ht
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -149,10 +152,11 @@ def _launch_grouped(kernel, layout: ExpertLayout, n: int, k: int, tile: GemmTile
 
 
 def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, layout: ExpertLayout, tile: GemmTile) -> torch.Tensor:
-    """[entries, I]: silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T) per entry; gate_up [E, 2I, H]."""
+    """[blocks * block_m, I] in layout row order: silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T) per entry;
+    gate_up [E, 2I, H]."""
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
-    out = torch.empty((x.shape[0] * layout.top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((layout.sorted_entries.shape[0], inter), dtype=x.dtype, device=x.device)
     if layout.num_blocks:
         _launch_grouped(_gate_up_silu_kernel, layout, inter, hidden, tile, x, x, gate_up, out,
                         layout.sorted_entries, layout.block_expert, layout.block_rows, hidden, inter, x.stride(0),
@@ -162,9 +166,10 @@ def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, layout: ExpertLayout, t
 
 def down_weighted(h: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, layout: ExpertLayout,
                   tile: GemmTile) -> torch.Tensor:
-    """[entries, H]: weight[entry] * (h[entry] @ down[e]^T); down [E, H, I], weights [T, k] (contiguous)."""
+    """[entries, H]: weight[entry] * (h[row] @ down[e]^T), h in layout row order (gate_up_silu's output);
+    down [E, H, I], weights [T, k] (contiguous)."""
     num_experts, hidden, inter = down.shape
-    out = torch.empty((h.shape[0], hidden), dtype=h.dtype, device=h.device)
+    out = torch.empty((weights.numel(), hidden), dtype=h.dtype, device=h.device)
     if layout.num_blocks:
         _launch_grouped(_down_weighted_kernel, layout, hidden, inter, tile, h, h, down, weights, out,
                         layout.sorted_entries, layout.block_expert, layout.block_rows, hidden, inter, h.stride(0),

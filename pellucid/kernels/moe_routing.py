@@ -1,6 +1,6 @@
 """Mixture-of-experts routing and the token layout the grouped GEMMs read, without a host sync.
 
-Routing (`route_rows`): per token a softmax over the router logits in float32, the top-k experts (equal
+Routing (`_route_kernel`): per token a softmax over the router logits in float32, the top-k experts (equal
 probabilities: the lowest expert index first), optionally renormalised to sum to 1, stored in the
 weights tensor's dtype (Qwen rounds them to the logits' dtype, Mixtral keeps float32).
 
@@ -12,10 +12,11 @@ BLOCK_M rows, each expert's entries padded to a whole number of blocks:
 The number of blocks is at most `max_blocks(entries, experts, BLOCK_M)`, so every buffer and launch grid has
 a size known on the host, and a CUDA graph replays it for any routing.
 
-Each entry's row within its expert is an atomic increment of the expert's counter (rows within an expert
-come in any order; every GEMM row is computed on its own, so results do not depend on it). Up to
-`ONE_PROGRAM_TOKENS` tokens, one program routes, counts and lays out everything (one launch per layer in
-decode); larger batches route in many programs and lay out in one.
+Two launches per layer: `_route_kernel`, many programs of a few tokens each (one warp, so the top-k
+reductions stay within it), and `_layout_kernel`, one program that counts the entries per expert (an
+atomic increment of the expert's counter gives each entry its row; rows within an expert come in any order,
+and every GEMM row is computed on its own, so results do not depend on it), takes the padded prefix sums and
+scatters the entries. The program zeroes its own counters first: nothing carries over between calls.
 """
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ import triton.language as tl
 
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
 
-ONE_PROGRAM_TOKENS = 64
-_ROUTE_BLOCK_T = 16
+_ROUTE_BLOCK_T = 4
 _ENTRY_BLOCK = 1024
 _LAYOUT_BLOCK_B = 64
 
@@ -37,12 +37,15 @@ def max_blocks(num_entries: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _route_rows(logits_ptr, stride_l, offs_t, mask_t, E, ids_ptr, weights_ptr, TOP_K: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_POW2: tl.constexpr, RENORM: tl.constexpr):
-    """Route the tokens offs_t (rows of the logits); store their ids and weights; return the ids
-    [BLOCK_T, K_POW2] int32 (columns past TOP_K and rows past mask_t hold E)."""
+def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, T, E, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr, K_POW2: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    """Route BLOCK_T tokens: their top-k expert ids [T, k] int32 and weights [T, k] (the weights' dtype)."""
+    release_dependents(PDL)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
+    wait_for_previous_kernel(PDL)
     x = tl.load(logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + offs_e[None, :],
                 mask=mask_t[:, None] & mask_e[None, :], other=0.0).to(tl.float32)
     x = tl.where(mask_e[None, :], x, float("-inf"))
@@ -50,7 +53,7 @@ def _route_rows(logits_ptr, stride_l, offs_t, mask_t, E, ids_ptr, weights_ptr, T
     probs = p / tl.sum(p, axis=1)[:, None]
     probs = tl.where(mask_e[None, :], probs, -2.0)         # never chosen over a real expert
     offs_k = tl.arange(0, K_POW2)
-    ids = tl.full([BLOCK_T, K_POW2], E, tl.int32)
+    ids = tl.zeros([BLOCK_T, K_POW2], tl.int32)
     weights = tl.zeros([BLOCK_T, K_POW2], tl.float32)
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, axis=1)
@@ -65,69 +68,28 @@ def _route_rows(logits_ptr, stride_l, offs_t, mask_t, E, ids_ptr, weights_ptr, T
     out = offs_t.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
     tl.store(ids_ptr + out, ids, mask=mask)
     tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=mask)
-    return tl.where(mask, ids, E)
 
 
 @triton.jit
-def _count_rows(ids, offs_t, mask_t, counts_ptr, ranks_ptr, TOP_K: tl.constexpr, K_POW2: tl.constexpr):
-    """Each entry's row within its expert (an atomic increment of the expert's counter)."""
-    offs_k = tl.arange(0, K_POW2)
-    mask = mask_t[:, None] & (offs_k < TOP_K)[None, :]
-    ranks = tl.atomic_add(counts_ptr + ids, 1, mask=mask, sem="relaxed")
-    tl.store(ranks_ptr + offs_t.to(tl.int64)[:, None] * TOP_K + offs_k[None, :], ranks, mask=mask)
-
-
-@triton.jit
-def _load_ids(ids_ptr, offs_t, mask_t, E, TOP_K: tl.constexpr, K_POW2: tl.constexpr):
-    offs_k = tl.arange(0, K_POW2)
-    mask = mask_t[:, None] & (offs_k < TOP_K)[None, :]
-    ids = tl.load(ids_ptr + offs_t.to(tl.int64)[:, None] * TOP_K + offs_k[None, :], mask=mask, other=0)
-    return tl.where(mask, ids.to(tl.int32), E)
-
-
-@triton.jit
-def _route_count_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, counts_ptr, ranks_ptr, T, E,
-                        TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_POW2: tl.constexpr,
-                        ROUTE: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-    """Many programs, BLOCK_T tokens each: route (or read the given ids) and count into zeroed counters."""
-    release_dependents(PDL)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    wait_for_previous_kernel(PDL)
-    if ROUTE:
-        ids = _route_rows(logits_ptr, stride_l, offs_t, mask_t, E, ids_ptr, weights_ptr, TOP_K, BLOCK_T, BLOCK_E,
-                          K_POW2, RENORM)
-    else:
-        ids = _load_ids(ids_ptr, offs_t, mask_t, E, TOP_K, K_POW2)
-    _count_rows(ids, offs_t, mask_t, counts_ptr, ranks_ptr, TOP_K, K_POW2)
-
-
-@triton.jit
-def _layout_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, counts_ptr, ranks_ptr, starts_ptr, sorted_ptr,
-                   block_expert_ptr, block_rows_ptr, T, E, num_blocks,
-                   TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_POW2: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, COUNT: tl.constexpr,
-                   ROUTE: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-    """One program: (with COUNT) route or read the ids and count them, then lay the entries out by expert.
-    Without COUNT the counters and ranks come from _route_count_kernel. Phases that read what other threads
-    of this program wrote are separated by barriers (global writes of a block are visible to it after one)."""
+def _layout_kernel(ids_ptr, counts_ptr, ranks_ptr, starts_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
+                   num_entries, E, num_blocks, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """One program: count the entries per expert, then lay them out in blocks of BLOCK_M rows by expert.
+    Phases that read what other threads of this program wrote are separated by barriers (a block's global
+    writes are visible to the block after one)."""
     release_dependents(PDL)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
     wait_for_previous_kernel(PDL)
-    if COUNT:
-        tl.store(counts_ptr + offs_e, tl.zeros([BLOCK_E], tl.int32), mask=mask_e)
-        tl.debug_barrier()
-        for t0 in range(0, T, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            mask_t = offs_t < T
-            if ROUTE:
-                ids = _route_rows(logits_ptr, stride_l, offs_t, mask_t, E, ids_ptr, weights_ptr, TOP_K, BLOCK_T,
-                                  BLOCK_E, K_POW2, RENORM)
-            else:
-                ids = _load_ids(ids_ptr, offs_t, mask_t, E, TOP_K, K_POW2)
-            _count_rows(ids, offs_t, mask_t, counts_ptr, ranks_ptr, TOP_K, K_POW2)
-        tl.debug_barrier()
+    tl.store(counts_ptr + offs_e, tl.zeros([BLOCK_E], tl.int32), mask=mask_e)
+    tl.debug_barrier()
+    for n0 in range(0, num_entries, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < num_entries
+        expert = tl.load(ids_ptr + offs_n, mask=mask_n, other=0).to(tl.int32)
+        rank = tl.atomic_add(counts_ptr + expert, 1, mask=mask_n, sem="relaxed")
+        tl.store(ranks_ptr + offs_n, rank, mask=mask_n)
+    tl.debug_barrier()
     counts = tl.load(counts_ptr + offs_e, mask=mask_e, other=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)
@@ -147,7 +109,6 @@ def _layout_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, counts_ptr, ranks
         tl.store(block_expert_ptr + offs_b, tl.where(valid, expert, -1), mask=mask_b)
         tl.store(block_rows_ptr + offs_b, tl.where(valid, rows, 0), mask=mask_b)
     tl.debug_barrier()
-    num_entries = T * TOP_K
     for n0 in range(0, num_entries, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < num_entries
@@ -176,47 +137,34 @@ class ExpertLayout:
 def route_and_layout(logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype,
                      block_m: int) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout]:
     """(expert ids [T, k] int32, routing weights [T, k] in weights_dtype, layout) from router logits [T, E]."""
-    num_tokens = logits.shape[0]
+    num_tokens, num_experts = logits.shape
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=logits.device)
-    layout = _layout(logits.shape[1], top_k, block_m, ids, weights, logits, renormalize)
-    return ids, weights, layout
+    if num_tokens:
+        _route_kernel[(triton.cdiv(num_tokens, _ROUTE_BLOCK_T),)](
+            logits, logits.stride(0), ids, weights, num_tokens, num_experts, TOP_K=top_k, BLOCK_T=_ROUTE_BLOCK_T,
+            BLOCK_E=triton.next_power_of_2(num_experts), K_POW2=triton.next_power_of_2(top_k), RENORM=renormalize,
+            num_warps=1, **pdl_launch_options(logits))
+    return ids, weights, layout_for(ids, num_experts, block_m)
 
 
 def layout_for(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
-    """The layout of a routing made elsewhere: expert ids [T, k] (any integer dtype)."""
-    return _layout(num_experts, ids.shape[1], block_m, ids.contiguous(), None, None, False)
-
-
-def _layout(num_experts: int, top_k: int, block_m: int, ids: torch.Tensor, weights: torch.Tensor | None,
-            logits: torch.Tensor | None, renormalize: bool) -> ExpertLayout:
-    """Route (when `logits` are given: fills ids and weights) and lay the entries out."""
-    num_tokens, device = ids.shape[0], ids.device
+    """The layout of expert ids [T, k] (any integer dtype): entries grouped by expert in blocks of block_m rows."""
+    ids = ids.contiguous()
+    num_tokens, top_k = ids.shape
+    device = ids.device
     entries = num_tokens * top_k
     blocks = max_blocks(entries, num_experts, block_m)
     sorted_entries = torch.empty(max(blocks, 1) * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     block_rows = torch.empty(blocks, dtype=torch.int32, device=device)
     layout = ExpertLayout(sorted_entries, block_expert, block_rows, block_m, top_k)
-    if num_tokens == 0:
-        return layout
-    ranks = torch.empty(entries, dtype=torch.int32, device=device)
-    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    route = logits is not None
-    source = logits if route else ids            # what the kernels read first (PDL options, unused pointers)
-    common = dict(TOP_K=top_k, BLOCK_T=_ROUTE_BLOCK_T, BLOCK_E=triton.next_power_of_2(num_experts),
-                  K_POW2=triton.next_power_of_2(top_k), ROUTE=route, RENORM=renormalize)
-    logits_args = (logits, logits.stride(0)) if route else (ids, 0)
-    weights_arg = weights if weights is not None else ids
-    one_program = num_tokens <= ONE_PROGRAM_TOKENS
-    if one_program:
-        counts = torch.empty(num_experts, dtype=torch.int32, device=device)   # zeroed by the kernel
-    else:
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-        _route_count_kernel[(triton.cdiv(num_tokens, _ROUTE_BLOCK_T),)](
-            *logits_args, ids, weights_arg, counts, ranks, num_tokens, num_experts, num_warps=4, **common,
-            **pdl_launch_options(source))
-    _layout_kernel[(1,)](*logits_args, ids, weights_arg, counts, ranks, starts, sorted_entries, block_expert,
-                         block_rows, num_tokens, num_experts, blocks, BLOCK_M=block_m, BLOCK_B=_LAYOUT_BLOCK_B,
-                         BLOCK_N=_ENTRY_BLOCK, COUNT=one_program, num_warps=8, **common, **pdl_launch_options(source))
+    if entries:
+        scratch = torch.empty(2 * num_experts + entries, dtype=torch.int32, device=device)
+        counts, starts, ranks = scratch[:num_experts], scratch[num_experts:2 * num_experts], scratch[2 * num_experts:]
+        _layout_kernel[(1,)](ids, counts, ranks, starts, sorted_entries, block_expert, block_rows, entries, num_experts,
+                             blocks, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+                             BLOCK_B=min(_LAYOUT_BLOCK_B, triton.next_power_of_2(blocks)),
+                             BLOCK_N=min(_ENTRY_BLOCK, triton.next_power_of_2(entries)), num_warps=4,
+                             **pdl_launch_options(ids))
     return layout
