@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 19 (mixture-of-experts models) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue19.sh [SECTION ...]
-#   sections: diag checks tests kernels sweep latency throughput
+#   sections: diag diag30b checks tests kernels sweep latency throughput
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 # Sections stop starting after TOTAL_S seconds (default 570) so one device call holds the script.
 set -u
@@ -35,6 +35,8 @@ for s in $sections; do
     diag) run diag_traced 90 python3 benchmarks/moe_graph_diag.py --traced-first
           run diag_plain 90 python3 benchmarks/moe_graph_diag.py
           PELLUCID_PDL=0 run diag_traced_nopdl 90 python3 benchmarks/moe_graph_diag.py --traced-first ;;
+    diag30b) CUDA_LAUNCH_BLOCKING=1 run diag30b_eager 120 python3 benchmarks/moe_graph_diag.py --layers 48 --batch 1 \
+               --max-model-len 8209 --output-len 64 --eager-first ;;
     checks) run moe_checks 120 python3 tests/gpu/moe_checks.py cuda routing experts block ;;
     tests) run moe_tests 200 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_moe_gpu.py \
              tests/gpu/test_no_sync.py tests/gpu/test_async_scheduling.py ;;

@@ -83,6 +83,17 @@ def _experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, devi
     return experts
 
 
+def _reference(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """transformers' expert arithmetic (each expert's output and its weighted product rounded to x's dtype),
+    the top-k contributions summed in float32 and rounded once, as the kernels do (transformers adds them one
+    by one in x's dtype, which in bfloat16 moves the sum by a few roundings more)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        out.index_add_(0, token, (experts._expert(x[token], e) * weights[token, slot, None]).to(x.dtype).float())
+    return out.to(x.dtype)
+
+
 def check_experts(device: str, seed: int, cases: list[tuple[int, int, int, int, int]], dtypes) -> None:
     """fused_experts against the torch expert loop, with the layout from the routing kernel, a layout made
     from given int64 ids (the traced path), and every tile family."""
@@ -96,7 +107,7 @@ def check_experts(device: str, seed: int, cases: list[tuple[int, int, int, int, 
             logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(dtype).to(device)
             ids, weights, layout = fused_moe.route_and_align(logits, spec)
             cpu = experts.to("cpu")
-            ref = cpu._forward_loop(x.cpu(), ids.cpu().long(), weights.cpu())     # transformers' roundings
+            ref = _reference(cpu, x.cpu(), ids.cpu().long(), weights.cpu())
             experts = cpu.to(device)
             what = f"experts T={num_tokens} E={num_experts} k={top_k} H={hidden} I={inter} {dtype}"
             weight_args = (experts.gate_up_proj, experts.down_proj)
