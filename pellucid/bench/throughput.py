@@ -7,7 +7,9 @@ uniform in [100, 1024], seeded, random token ids, ignore_eos), against
 - transformers' batched `generate` on the same GPU, on a documented subset of the workload (the first
   --hf-requests requests with both lengths scaled by --hf-scale) that Pellucid also runs, so the ratio
   compares the same work. One `generate` call pads to the longest prompt and runs max(output) steps
-  for everyone; only the tokens each request asked for count as useful.
+  for everyone; only the tokens each request asked for count as useful. It runs first, before the engine
+  is built, so each has the GPU to itself. A shape whose weights are drawn at load (bench/models.py)
+  gets transformers' own random initialisation.
 """
 from __future__ import annotations
 
@@ -97,13 +99,29 @@ def memory_floor_bytes(weights: int, kv_token: int, input_lens: list[int], outpu
 
 
 def run_throughput(args: argparse.Namespace) -> None:
+    from pellucid.bench.models import resolve_model
+    from pellucid.models.loader import read_hf_config
+
     floors = measure_floors()
     input_lens, output_lens = workload(args.num_requests, args.min_len, args.max_len, args.seed)
-    core, model_dir = make_engine(args, args.max_len * 2 + 16, args.max_num_seqs, args.max_num_batched_tokens)
+    model_dir = resolve_model(args.model, args.model_cache)
+    prompts = random_prompts(input_lens, read_hf_config(model_dir).vocab_size, args.seed)
+    theirs = None
+    if args.hf_requests:
+        # transformers first, alone on the GPU: a large model's engine and its transformers copy need not
+        # fit together (Qwen3-30B-A3B: 57 GiB each on an 80 GB card).
+        n = min(args.hf_requests, args.num_requests)
+        sub_in = [max(1, round(x * args.hf_scale)) for x in input_lens[:n]]
+        sub_out = [max(1, round(x * args.hf_scale)) for x in output_lens[:n]]
+        sub_prompts = [p[:k] for p, k in zip(prompts[:n], sub_in)]
+        theirs = run_transformers(model_dir, sub_prompts, sub_out)
+        gc.collect()
+        torch.cuda.empty_cache()
+    core, _ = make_engine(args, args.max_len * 2 + 16, args.max_num_seqs, args.max_num_batched_tokens)
     vocab = core.runner.head.vocab_size
-    prompts = random_prompts(input_lens, vocab, args.seed)
     run_engine(core, random_prompts([32] * 4, vocab, args.seed + 7), [8] * 4, "warmup")
     elapsed = run_engine(core, prompts, output_lens, "tp")
+    ours = run_engine(core, sub_prompts, sub_out, "sub") if theirs is not None else None
     model = core.runner.model
     weights = weight_bytes_per_step(model)
     if is_moe(model):    # the experts a full batch touches per step (nearly all of them from ~64 tokens on)
@@ -118,16 +136,7 @@ def run_throughput(args: argparse.Namespace) -> None:
           "no detokenization")
     rows = [[args.model, "pellucid", "full workload", f"{elapsed:.2f}", f"{tokens / elapsed:.0f}",
              f"floor {floor:.2f} s", f"{floor / elapsed:.2f} of floor"]]
-    if args.hf_requests:
-        n = min(args.hf_requests, args.num_requests)
-        sub_in = [max(1, round(x * args.hf_scale)) for x in input_lens[:n]]
-        sub_out = [max(1, round(x * args.hf_scale)) for x in output_lens[:n]]
-        sub_prompts = [p[:k] for p, k in zip(prompts[:n], sub_in)]
-        ours = run_engine(core, sub_prompts, sub_out, "sub")
-        del core, model
-        gc.collect()            # the engine's reference cycles hold its weights and KV cache until collected
-        torch.cuda.empty_cache()
-        theirs = run_transformers(model_dir, sub_prompts, sub_out)
+    if theirs is not None and ours is not None:
         sub_tokens = sum(sub_out)
         label = f"first {n} requests, lengths x{args.hf_scale}"
         rows.append([args.model, "pellucid", label, f"{ours:.2f}", f"{sub_tokens / ours:.0f}", "", ""])

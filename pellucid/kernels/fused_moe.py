@@ -34,17 +34,24 @@ class MoeTiles:
 
 
 # Chosen from benchmarks/moe_kernel_bench.py --sweep on an H100 (BENCHMARKS.md, issue 19), Qwen3-30B-A3B layer
-# shape, bf16: decode (<= 16 entries per expert) 16-row blocks; mid-size batches 32; prefill 64.
+# shape, bf16: decode (<= 16 entries per expert) 16-row blocks; mid-size batches 32; prefill 64, and 128 from
+# 128 entries per expert on (8k-token prefill, 512 per expert: gate/up 1136 -> 802 us, down 814 -> 801 us per
+# layer in the sweep; the engine's 8k prefill in BENCHMARKS.md was measured with the 64-row tiles).
 DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
 MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))
 PREFILL_TILES = MoeTiles(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3))
+LONG_PREFILL_TILES = MoeTiles(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3))
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
     """Tiles for a batch (for 2-byte dtypes): a function of the shapes alone, so a graph capture records the
     same kernels."""
     per_expert = num_tokens * top_k / num_experts
-    return DECODE_TILES if per_expert <= 16 else MID_TILES if per_expert <= 64 else PREFILL_TILES
+    if per_expert <= 16:
+        return DECODE_TILES
+    if per_expert <= 64:
+        return MID_TILES
+    return PREFILL_TILES if per_expert <= 128 else LONG_PREFILL_TILES
 
 
 def fit_dtype(tiles: MoeTiles, dtype: torch.dtype) -> MoeTiles:
