@@ -15,6 +15,7 @@ from pellucid.models.expert_weights import ExpertCheckpointNames
 from pellucid.models.layers import GatedMLP
 from pellucid.models.llama import AttentionOptions, LlamaForCausalLM
 from pellucid.models.moe import MoeSpec, SparseMoeBlock
+from pellucid.models.qwen3 import Qwen3ForCausalLM
 from pellucid.models.registry import register_model
 
 
@@ -86,8 +87,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
-        bias = bool(getattr(hf_config, "attention_bias", False))
-        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return Qwen3ForCausalLM.attention_options(hf_config)     # Qwen3's attention, q/k norms included
 
 
 @register_model("Qwen2MoeForCausalLM")

@@ -1,5 +1,6 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers on tiny random checkpoints:
-logits, chunked prefill and decode, greedy tokens, routing ties, and the checkpoint layouts the loader takes."""
+logits, chunked prefill and decode, routing ties, and the checkpoint layouts the loader takes (greedy tokens:
+test_models_vs_hf.py)."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,10 @@ from safetensors.torch import load_file, save_file
 from pellucid.models.loader import load_model
 from pellucid.models.moe import MoeSpec, SparseMoeBlock, route
 from pellucid.tiny_models import build_tiny_model
-from tests.models.helpers import PagedModelRunner, relative_error
+from tests.models.helpers import (PagedModelRunner, hf_logits, load_hf_model, random_token_prompts,
+                                  relative_error)
 
 TOLERANCE = 1e-4
-VOCAB = 512
 
 # (arch, config overrides): several expert counts and top-k, renormalised or not, dense layers mixed in.
 CONFIGS = {
@@ -43,42 +44,26 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def _hf_model(model_dir: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([token_ids])).logits[0].float()
-
-
-def _random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_batched_prefill_matches_hf(checkpoints, name: str) -> None:
     model_dir = checkpoints(name)
     model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
+    hf_model = load_hf_model(model_dir)
     for seed in range(2):
-        prompts = _random_prompts(seed, [7, 33, 1, 20 + 17 * seed])
+        prompts = random_token_prompts(seed, [7, 33, 1, 20 + 17 * seed])
         runner = PagedModelRunner(model, 16, seed=seed)
         batch_logits = runner.step(list(enumerate(prompts)), num_padded_tokens=sum(map(len, prompts)) + 3)
         for prompt, logits in zip(prompts, batch_logits):
-            assert relative_error(logits, _hf_logits(hf_model, prompt)) <= TOLERANCE
+            assert relative_error(logits, hf_logits(hf_model, prompt)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe-e16k4-raw", "qwen2-moe-e6k3", "mixtral-e8k3"])
 def test_chunked_prefill_decode_and_mixed_batch_match_hf(checkpoints, name: str) -> None:
     model_dir = checkpoints(name)
     model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
-    prompt, other = _random_prompts(100, [45, 30])
-    expected, expected_other = _hf_logits(hf_model, prompt), _hf_logits(hf_model, other)
+    hf_model = load_hf_model(model_dir)
+    prompt, other = random_token_prompts(100, [45, 30])
+    expected, expected_other = hf_logits(hf_model, prompt), hf_logits(hf_model, other)
     runner = PagedModelRunner(model, 16)
     chunked = torch.cat([runner.step([("chunked", prompt[:19])])[0], runner.step([("chunked", prompt[19:])])[0]])
     decoded = torch.cat([runner.step([("decode", [token])])[0] for token in prompt])
@@ -92,30 +77,11 @@ def test_chunked_prefill_decode_and_mixed_batch_match_hf(checkpoints, name: str)
     assert relative_error(f, expected_other) <= TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe-e8k2", "qwen2-moe-e6k3", "mixtral-e4k2"])
-def test_greedy_generation_matches_hf(checkpoints, name: str) -> None:
-    model_dir = checkpoints(name)
-    model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
-    for seed in range(2):
-        prompt = _random_prompts(300 + seed, [9])[0]
-        with torch.no_grad():
-            expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                         min_new_tokens=12)[0, len(prompt):].tolist()
-        runner = PagedModelRunner(model, 16, seed=seed)
-        logits = runner.step([("r", prompt)])[0]
-        generated: list[int] = []
-        for _ in range(12):
-            generated.append(int(logits[-1].argmax()))
-            logits = runner.step([("r", generated[-1:])])[0]
-        assert generated == expected
-
-
 @pytest.mark.parametrize("name", ["qwen3-moe-e16k4-raw", "qwen2-moe-e6k3", "mixtral-e8k3"])
 def test_module_paths_and_dense_layers_are_hf(checkpoints, name: str) -> None:
     model_dir = checkpoints(name)
     model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
+    hf_model = load_hf_model(model_dir)
     hf_modules = dict(hf_model.named_modules())
     ours = dict(model.named_modules())
     hf_params = {n: tuple(p.shape) for n, p in hf_model.named_parameters()}
@@ -190,10 +156,10 @@ def test_fused_and_mixed_expert_layouts_load_the_same_weights(checkpoints, tmp_p
         for n, p in model.named_parameters():
             assert torch.equal(p, reference[n]), n
     # transformers reads the fused layout too, with the same result.
-    hf = _hf_model(str(tmp_path / "fused"))
-    prompt = _random_prompts(3, [12])[0]
+    hf = load_hf_model(str(tmp_path / "fused"))
+    prompt = random_token_prompts(3, [12])[0]
     runner = PagedModelRunner(per_expert, 16)
-    assert relative_error(runner.step([("r", prompt)])[0], _hf_logits(hf, prompt)) <= TOLERANCE
+    assert relative_error(runner.step([("r", prompt)])[0], hf_logits(hf, prompt)) <= TOLERANCE
 
 
 def test_other_expert_layouts_are_refused_by_name(checkpoints, tmp_path) -> None:
