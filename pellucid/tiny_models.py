@@ -137,6 +137,15 @@ _ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3-untied": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # Mixtures of experts (expert weights written per expert, as transformers 5's save_pretrained does).
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "tie_word_embeddings": False}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     # Hybrid: short-convolution layers mixed with attention (LFM2 ties embeddings by default).
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {
         "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],

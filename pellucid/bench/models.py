@@ -2,6 +2,9 @@
 
 Weights are drawn straight into safetensors files (on the GPU when there is one, a layer at a time),
 never through a transformers model object, so an 8B checkpoint takes seconds rather than minutes.
+Shapes in DRAWN_AT_LOAD (Qwen3-30B-A3B: 61 GB of bf16 weights, more than the GPU machines' disks hold
+comfortably) get no weight files: the directory's pellucid_random_weights.json makes the loader draw them
+on the device (pellucid.models.loader); transformers cannot read such a directory.
 The tokenizer covers the model's whole vocabulary with one word per id (` t1234`), so every token a
 random model samples decodes to text at once: a streamed response carries one chunk per token, and
 time to first token and inter-token latency are measured on every token (benchmark prompts are
@@ -34,7 +37,15 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                          head_dim=128, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072,
                          rms_norm_eps=1e-5, hidden_act="silu",
                          rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
+    # 128 experts, 8 per token, every layer sparse; 3.3B parameters read per token (30.5B in all).
+    "Qwen3-30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu"),
 }
+DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B"})
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -79,6 +90,12 @@ def build_random_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
     build_word_tokenizer(out_dir, config["vocab_size"])
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+    if name in DRAWN_AT_LOAD:
+        from pellucid.models.loader import RANDOM_WEIGHTS_FILE
+        with open(os.path.join(out_dir, RANDOM_WEIGHTS_FILE), "w") as f:
+            json.dump({"seed": seed}, f)
+        open(done, "w").close()
+        return out_dir
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     shards: dict[str, str] = {}

@@ -7,11 +7,14 @@ uniform in [100, 1024], seeded, random token ids, ignore_eos), against
 - transformers' batched `generate` on the same GPU, on a documented subset of the workload (the first
   --hf-requests requests with both lengths scaled by --hf-scale) that Pellucid also runs, so the ratio
   compares the same work. One `generate` call pads to the longest prompt and runs max(output) steps
-  for everyone; only the tokens each request asked for count as useful.
+  for everyone; only the tokens each request asked for count as useful. It runs first, before the engine
+  is built, so each has the GPU to itself. A shape whose weights are drawn at load (bench/models.py)
+  gets transformers' own random initialisation.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -19,6 +22,7 @@ import torch
 from pellucid.bench.common import (add_model_args, kv_bytes_per_token, make_engine, print_table, random_prompts,
                                    weight_bytes_per_step)
 from pellucid.bench.floors import measure_floors, print_floors
+from pellucid.bench.moe import decode_bytes, is_moe, measure_experts_touched
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +58,18 @@ def run_engine(llm, prompts: list[list[int]], output_lens: list[int], tag: str) 
 
 
 def run_transformers(model_dir: str, prompts: list[list[int]], output_lens: list[int]) -> float:
+    import os
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    from pellucid.models.loader import RANDOM_WEIGHTS_FILE, read_hf_config
+
+    if os.path.isfile(os.path.join(model_dir, RANDOM_WEIGHTS_FILE)):
+        # A shape with no weight files (bench/models.py): transformers draws its own random weights.
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(read_hf_config(model_dir), dtype=torch.bfloat16).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -86,17 +99,37 @@ def memory_floor_bytes(weights: int, kv_token: int, input_lens: list[int], outpu
 
 
 def run_throughput(args: argparse.Namespace) -> None:
+    from pellucid.bench.models import resolve_model
+    from pellucid.models.loader import read_hf_config
+
     floors = measure_floors()
     input_lens, output_lens = workload(args.num_requests, args.min_len, args.max_len, args.seed)
-    llm, model_dir = make_engine(args, args.max_len * 2 + 16, args.max_num_seqs, args.max_num_batched_tokens)
+    model_dir = resolve_model(args.model, args.model_cache)
+    prompts = random_prompts(input_lens, read_hf_config(model_dir).vocab_size, args.seed)
+    theirs = None
+    if args.hf_requests:
+        # transformers first, alone on the GPU: a large model's engine and its transformers copy need not
+        # fit together (Qwen3-30B-A3B: 57 GiB each on an 80 GB card).
+        n = min(args.hf_requests, args.num_requests)
+        sub_in = [max(1, round(x * args.hf_scale)) for x in input_lens[:n]]
+        sub_out = [max(1, round(x * args.hf_scale)) for x in output_lens[:n]]
+        sub_prompts = [p[:k] for p, k in zip(prompts[:n], sub_in)]
+        theirs = run_transformers(model_dir, sub_prompts, sub_out)
+        gc.collect()
+        torch.cuda.empty_cache()
+    llm, _ = make_engine(args, args.max_len * 2 + 16, args.max_num_seqs, args.max_num_batched_tokens)
     core = llm.engine
     vocab = core.runner.head.vocab_size
-    prompts = random_prompts(input_lens, vocab, args.seed)
     run_engine(llm, random_prompts([32] * 4, vocab, args.seed + 7), [8] * 4, "warmup")
     elapsed = run_engine(llm, prompts, output_lens, "tp")
+    ours = run_engine(llm, sub_prompts, sub_out, "sub") if theirs is not None else None
     model = core.runner.model
-    floor = floors.bytes_time(memory_floor_bytes(weight_bytes_per_step(model), kv_bytes_per_token(model, core.dtype),
-                                                 input_lens, output_lens))
+    weights = weight_bytes_per_step(model)
+    if is_moe(model):    # the experts a full batch touches per step (nearly all of them from ~64 tokens on)
+        batch = min(args.max_num_seqs, args.num_requests)
+        weights = decode_bytes(model, weights, measure_experts_touched(llm, batch, 64, 4, args.seed + 3))
+    floor = floors.bytes_time(memory_floor_bytes(weights, kv_bytes_per_token(model, core.dtype), input_lens,
+                                                 output_lens))
     tokens = sum(output_lens)
     print_floors(floors)
     print(f"\nworkload: {args.num_requests} requests, input and output lengths uniform in [{args.min_len}, "
@@ -104,15 +137,7 @@ def run_throughput(args: argparse.Namespace) -> None:
           "no detokenization")
     rows = [[args.model, "pellucid", "full workload", f"{elapsed:.2f}", f"{tokens / elapsed:.0f}",
              f"floor {floor:.2f} s", f"{floor / elapsed:.2f} of floor"]]
-    if args.hf_requests:
-        n = min(args.hf_requests, args.num_requests)
-        sub_in = [max(1, round(x * args.hf_scale)) for x in input_lens[:n]]
-        sub_out = [max(1, round(x * args.hf_scale)) for x in output_lens[:n]]
-        sub_prompts = [p[:k] for p, k in zip(prompts[:n], sub_in)]
-        ours = run_engine(llm, sub_prompts, sub_out, "sub")
-        del core
-        torch.cuda.empty_cache()
-        theirs = run_transformers(model_dir, sub_prompts, sub_out)
+    if theirs is not None and ours is not None:
         sub_tokens = sum(sub_out)
         label = f"first {n} requests, lengths x{args.hf_scale}"
         rows.append([args.model, "pellucid", label, f"{ours:.2f}", f"{sub_tokens / ours:.0f}", "", ""])

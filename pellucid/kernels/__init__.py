@@ -24,7 +24,7 @@ def _triton_available() -> bool:
 
 
 KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down",
-           "rotary_kv_store", "skinny_qkv_rotary", "skinny_gate_up_silu", "argmax")
+           "rotary_kv_store", "skinny_qkv_rotary", "skinny_gate_up_silu", "argmax", "moe")
 # Each measured on an H100 (2026-11-23), Qwen3-0.6B shape, bf16, GPU time of one CUDA-graph decode
 # forward at batch 1 / 64 / 256 (pellucid bench latency, "graph forward ms"): none fused 3.98 / 4.90 ms;
 # rms_norm alone 2.52 / 3.15; rotary alone 3.18 / 4.04; silu_and_mul alone 3.94 / 4.85; all three
@@ -40,6 +40,8 @@ KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary
 # skinny_qkv_rotary / skinny_gate_up_silu: rotary (+ the K/V store) and SiLU-and-mul as epilogues of the
 # q/k/v and gate/up skinny GEMMs (pellucid.kernels.skinny_paired); argmax: greedy sampling's argmax as one
 # multi-program kernel (pellucid.kernels.argmax). Measured in BENCHMARKS.md, issue 4 round 7.
+# moe: mixture-of-experts routing and experts as fused Triton kernels (pellucid.kernels.fused_moe); without
+# it, CUDA runs every expert on every token (a debugging path; BENCHMARKS.md, issue 19).
 DEFAULT_KERNELS = KERNELS
 
 

@@ -14,7 +14,7 @@ with rotary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -121,16 +121,25 @@ class DecoderAttention(nn.Module):
         return query, key, value, kv_store
 
 
+# (hf_config, layer_idx, dtype, device) -> the layer's `mlp` module ([T, hidden] -> [T, hidden]).
+MlpFactory = Callable[[Any, int, torch.dtype, "torch.device | str"], nn.Module]
+
+
+def gated_mlp(hf_config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The dense Llama MLP of every layer."""
+    return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, bool(getattr(hf_config, "mlp_bias", False)),
+                    dtype, device)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, options: AttentionOptions,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, make_mlp: MlpFactory = gated_mlp) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **factory)
         self.self_attn = DecoderAttention(hf_config, layer_idx, rotary_emb, options, **factory)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **factory)
-        self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size,
-                            bool(getattr(hf_config, "mlp_bias", False)), **factory)
+        self.mlp = make_mlp(hf_config, layer_idx, dtype, device)
 
     def forward(self, residual: torch.Tensor) -> torch.Tensor:
         return self.forward_fused(residual, None, None)[0]
@@ -163,13 +172,14 @@ class DecoderModel(nn.Module):
     """`model`: token ids [T] -> final normed hidden states [T, hidden]."""
 
     def __init__(self, hf_config: Any, options: AttentionOptions, max_positions: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, make_mlp: MlpFactory = gated_mlp) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, **factory)
         self.rotary_emb = RotaryEmbedding(hf_config, max_positions, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, i, self.rotary_emb, options, **factory) for i in range(hf_config.num_hidden_layers))
+            DecoderLayer(hf_config, i, self.rotary_emb, options, **factory, make_mlp=make_mlp)
+            for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **factory)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -202,7 +212,8 @@ class LlamaForCausalLM(nn.Module):
         check_supported_config(hf_config, max_model_len)
         self.config = hf_config
         self.model = DecoderModel(hf_config, self.attention_options(hf_config),
-                                  max(max_model_len, hf_config.max_position_embeddings), dtype, device)
+                                  max(max_model_len, hf_config.max_position_embeddings), dtype, device,
+                                  make_mlp=self.build_mlp)
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype, device=device)
         self.tie_weights()
 
@@ -215,6 +226,11 @@ class LlamaForCausalLM(nn.Module):
     def attention_options(cls, hf_config: Any) -> AttentionOptions:
         bias = bool(getattr(hf_config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    @classmethod
+    def build_mlp(cls, hf_config: Any, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        """Layer `layer_idx`'s `mlp` (mixture-of-experts models override it)."""
+        return gated_mlp(hf_config, layer_idx, dtype, device)
 
     @property
     def tie_word_embeddings(self) -> bool:

@@ -22,6 +22,9 @@ logger = get_logger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# A benchmark shape without weight files: every parameter is drawn at load time (pellucid.bench.models
+# writes it for shapes too large to write to disk, e.g. Qwen3-30B-A3B's 61 GB). {"seed": int}.
+RANDOM_WEIGHTS_FILE = "pellucid_random_weights.json"
 # Checkpoint entries that are derived state, not weights (older exports saved rotary tables).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -49,36 +52,70 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     for module in model.modules():
         if hasattr(module, "rebuild_buffers"):
             module.rebuild_buffers()
-    _load_weights(model, model_dir)
+    random_spec = os.path.join(model_dir, RANDOM_WEIGHTS_FILE)
+    if os.path.isfile(random_spec):
+        _draw_random_weights(model, random_spec)
+    else:
+        _load_weights(model, model_dir)
     model.eval()
     logger.info("loaded %s from %s (%s, %s)", architectures[0], model_dir, dtype, device)
     return model, hf_config
 
 
 def _load_weights(model: nn.Module, model_dir: str) -> None:
+    """Fill every parameter from the checkpoint. A model may place a tensor into part of a parameter
+    (`checkpoint_target(name) -> (parameter name, index)`, e.g. one expert's slice of a fused expert
+    tensor); a parameter counts as loaded once tensors have filled all of its elements."""
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     tied_lm_head = "lm_head.weight" not in params
-    loaded: set[str] = set()
+    resolve = getattr(model, "checkpoint_target", None)
+    filled: dict[str, int] = defaultdict(int)     # parameter name -> elements written
     unexpected: list[str] = []
     with torch.no_grad():
         for path, name, tensor in _iter_checkpoint(model_dir):
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
                 continue
-            param = params.get(name)
+            target = resolve(name) if resolve is not None else None
+            param_name, index = target if target is not None else (name, ())
+            param = params.get(param_name)
             if param is None:
                 unexpected.append(f"{name} (in {os.path.basename(path)})")
                 continue
-            if tuple(tensor.shape) != tuple(param.shape):
+            dest = param[index] if index else param
+            if tuple(tensor.shape) != tuple(dest.shape):
+                where = "" if param_name == name else f" (its part of {param_name!r}, shape {tuple(param.shape)})"
                 raise ValueError(f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(param.shape)}")
-            param.copy_(tensor)
-            loaded.add(name)
+                                 f"the model expects {tuple(dest.shape)}{where}")
+            dest.copy_(tensor)
+            filled[param_name] += dest.numel()
+            if filled[param_name] > param.numel():
+                raise ValueError(f"checkpoint in {model_dir} fills {param_name!r} more than once (last from "
+                                 f"{name!r}): it holds the same weights in two layouts")
     if unexpected:
         raise ValueError(f"checkpoint in {model_dir} has tensors the model does not use (config mismatch?): "
                          f"{_first(unexpected)}")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(name for name, param in params.items() if filled[name] < param.numel())
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(missing)}")
+        partial = [f"{n} ({filled[n]} of {params[n].numel()} elements)" if filled[n] else n for n in missing]
+        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(partial)}")
+
+
+def _draw_random_weights(model: nn.Module, spec_path: str) -> None:
+    """Random weights for a benchmark shape: norm weights near 1, every other parameter normal with std
+    1/sqrt(fan in) (activations stay O(1) through the layers), from the file's seed."""
+    with open(spec_path, encoding="utf-8") as f:
+        seed = int(json.load(f).get("seed", 0))
+    logger.warning("%s: drawing random weights (seed %d); this directory is a benchmark shape, not a model",
+                   os.path.dirname(spec_path), seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, device=device, dtype=torch.float32)
+            if param.dim() == 1:
+                param.copy_(1.0 + 0.05 * noise)
+            else:
+                param.copy_(noise * param.shape[-1] ** -0.5)
 
 
 def _first(names: list[str], limit: int = 10) -> str:

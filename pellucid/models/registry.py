@@ -34,4 +34,5 @@ def _import_builtin_models() -> None:
     # Imported here, not at module top, because the model modules import this one to register.
     import pellucid.models.lfm2  # noqa: F401
     import pellucid.models.llama  # noqa: F401
+    import pellucid.models.moe_models  # noqa: F401
     import pellucid.models.qwen3  # noqa: F401

@@ -114,7 +114,7 @@ class Point:
     def add(self, value: Any, positions: Any = None, phase: Any = "all") -> None:
         self._trace._add(Add(site=self._site, point=self._point, value=value, positions=positions, phase=phase))
 
-    def scale(self, factor: float, positions: Any = None, phase: Any = "all") -> None:
+    def scale(self, factor: Any, positions: Any = None, phase: Any = "all") -> None:
         self._trace._add(Scale(site=self._site, point=self._point, factor=factor, positions=positions, phase=phase))
 
     def zero(self, positions: Any = None, phase: Any = "all") -> None:

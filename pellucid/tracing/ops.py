@@ -171,20 +171,50 @@ class MeanAblate(_ValueEdit):
 
 @dataclass(kw_only=True)
 class Scale(Op):
-    factor: float
+    """Multiply by `factor`: a number, or a tensor that broadcasts to one token's activation (a factor per
+    unit: 0 at one expert of a routing decision ablates that expert, 0 at one head's slice of the attention
+    output ablates that head). A tensor factor runs on the per-request path (no tap, no CUDA graph)."""
+
+    factor: float | torch.Tensor
     kind: ClassVar[str] = "scale"
     edits: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
-            raise ValueError(f"scale factor must be a number, got {self.factor!r}")
-        self.factor = float(self.factor)
+        if isinstance(self.factor, (torch.Tensor, list, tuple)):
+            factor = _as_tensor(self.factor, "scale factor")
+            self.factor = float(factor) if factor.dim() == 0 else factor
+            self._device_factors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        elif isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
+            raise ValueError(f"scale factor must be a number or a tensor, got {self.factor!r}")
+        else:
+            self.factor = float(self.factor)
+
+    @property
+    def per_unit(self) -> bool:
+        """True for a tensor factor (one per element of a token's activation)."""
+        return isinstance(self.factor, torch.Tensor)
 
     def edit(self, rows: torch.Tensor, ranks: np.ndarray, num_selected: int) -> torch.Tensor:
-        return rows * self.factor
+        if not isinstance(self.factor, torch.Tensor):
+            return rows * self.factor
+        key = (rows.device, rows.dtype)
+        factor = self._device_factors.get(key)
+        if factor is None:
+            factor = self._device_factors[key] = self.factor.to(device=rows.device, dtype=rows.dtype)
+        try:
+            fits = torch.broadcast_shapes(factor.shape, rows.shape[1:]) == rows.shape[1:]
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"scale factor of shape {tuple(factor.shape)} does not fit {self.target}, whose "
+                             f"per-token shape is {tuple(rows.shape[1:])} (expected that shape or one that "
+                             f"broadcasts to it)")
+        return rows * factor
 
     def _payload_json(self) -> dict[str, Any]:
+        if isinstance(self.factor, torch.Tensor):
+            return {"factor": tensors_to_b64({"factor": self.factor})}
         return {"factor": self.factor}
 
 
@@ -258,6 +288,12 @@ def op_from_json(body: Any) -> Op:
             kwargs[name] = _tensor_from_json(kwargs[name], name)
     if kind == "scale" and "factor" not in kwargs:
         raise ValueError("op 'scale' needs a 'factor'")
+    if kind == "scale" and isinstance(kwargs["factor"], (str, list)):
+        try:
+            kwargs["factor"] = _tensor_from_json(kwargs["factor"], "factor")
+        except ValueError as exc:
+            raise ValueError(f"scale factor must be a number, a list of numbers or base64 safetensors holding one "
+                             f"tensor: {exc}") from exc
     if kwargs.get("point") is None:
         kwargs.pop("point", None)
     if kwargs.get("phase") is None:

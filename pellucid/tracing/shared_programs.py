@@ -61,7 +61,7 @@ def _shared_key(plan: TracePlan, target: Target) -> tuple[tuple[Any, ...], tuple
     values: list[Any] = []
     for i in plan.ops_at(*target):
         op = plan.ops[i]
-        if op.selector != EVERY_POSITION:
+        if op.selector != EVERY_POSITION or getattr(op, "per_unit", False):
             return None
         field = getattr(op, "value_field", None)
         value = getattr(op, field) if field is not None else None

@@ -33,6 +33,9 @@ class SiteInfo:
     point: str                  # "input" | "output"
     shape: tuple[int, ...]      # per-token shape: the value for n tokens is [n, *shape]
     dtype: torch.dtype
+    # The edit ops the site accepts (None: all). A module declares limits in `site_edit_kinds`
+    # ({"output": ("scale", "zero")}) when other edits would have no meaning its consumer can honour.
+    edit_kinds: tuple[str, ...] | None = None
 
 
 class SiteTable:
@@ -52,7 +55,10 @@ class SiteTable:
         raise ValueError(unknown_site_message(name, list(self.sites)))
 
     def check(self, op: Op) -> SiteInfo:
-        return self.get(op.site, op.point)
+        site = self.get(op.site, op.point)
+        if op.edits and site.edit_kinds is not None and op.kind not in site.edit_kinds:
+            raise ValueError(f"{site.name} accepts save and the edits {', '.join(site.edit_kinds)}, not {op.kind}")
+        return site
 
     def module_paths(self) -> set[str]:
         """Every module path of the model (traceable or not), for checking paths as a trace is built."""
@@ -158,7 +164,9 @@ def _probe(runner: Any) -> SiteTable:
                     unusable[name] = (f"its value is {found!r}, not one tensor in the flat token layout "
                                       f"[num_tokens, ...]")
                 else:
-                    sites.append(SiteInfo(name, path, point, found[0][1:], found[1]))
+                    kinds = getattr(module, "site_edit_kinds", {}).get(point)
+                    sites.append(SiteInfo(name, path, point, found[0][1:], found[1],
+                                          None if kinds is None else tuple(kinds)))
     vocab = runner.head.vocab_size
     sites.append(SiteInfo(f"{LOGITS}.output", LOGITS, "output", (vocab,), torch.float32))
     sites.append(SiteInfo(f"{TOKENS}.output", TOKENS, "output", (), torch.int64))

@@ -64,7 +64,7 @@ def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | N
     Raises ValueError (with the op index in `exc.op_index`) when a value does not fit the site."""
     indices = plan.ops_at(*target)
     ops = [plan.ops[i] for i in indices]
-    if not all(isinstance(op, _TAP_OPS) for op in ops):
+    if not all(isinstance(op, _TAP_OPS) and not (isinstance(op, Scale) and op.per_unit) for op in ops):
         return None
     edit_order = [k for k, op in enumerate(ops) if op.edits]
     size = limit + 1        # one spare identity position, so a slice never runs short

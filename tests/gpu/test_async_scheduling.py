@@ -26,9 +26,10 @@ def _generate(model_dir: str, prompts: list[list[int]], max_tokens: list[int], a
     return [list(o.outputs[0].token_ids) for o in outs], llm.engine
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_stepping_ahead_on_the_gpu_equals_serial(tiny_model_factory, seed):
-    model_dir = tiny_model_factory("qwen3", seed=seed, num_hidden_layers=2)
+def test_stepping_ahead_on_the_gpu_equals_serial(tiny_model_factory, seed, arch):
+    model_dir = tiny_model_factory(arch, seed=seed, num_hidden_layers=2)
     prompts = _prompts(seed + 40, 11)
     lengths = [6 + 3 * i for i in range(len(prompts))]
     serial, _ = _generate(model_dir, prompts, lengths, async_scheduling=False)
@@ -38,11 +39,12 @@ def test_stepping_ahead_on_the_gpu_equals_serial(tiny_model_factory, seed):
     assert ahead == serial
 
 
-def test_stepping_ahead_does_not_sync(tiny_model_factory):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+def test_stepping_ahead_does_not_sync(tiny_model_factory, arch):
     from pellucid.llm import LLM
     from pellucid.sampling_params import SamplingParams
 
-    model_dir = tiny_model_factory("qwen3", num_hidden_layers=2)
+    model_dir = tiny_model_factory(arch, num_hidden_layers=2)
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=12,
               cuda_graph_sizes=[1, 2, 4], async_scheduling=True)
     core = llm.engine

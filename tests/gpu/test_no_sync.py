@@ -24,11 +24,13 @@ def _params(i: int):
     return SamplingParams(max_tokens=12 + i % 7, ignore_eos=True, **kinds[i % len(kinds)])
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_engine_steps_do_not_sync(tiny_model_factory, enforce_eager):
+def test_engine_steps_do_not_sync(tiny_model_factory, enforce_eager, arch):
     from pellucid.llm import LLM
 
-    model_dir = tiny_model_factory("qwen3", num_hidden_layers=2)
+    # qwen3-moe: the fused MoE routing, token layout and grouped GEMMs, whose sizes depend on the batch only.
+    model_dir = tiny_model_factory(arch, num_hidden_layers=2)
     # Graph sizes up to 4 only: larger decode batches take the eager path, which must not sync either.
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=12,
               cuda_graph_sizes=[1, 2, 4], enforce_eager=enforce_eager)

@@ -112,3 +112,20 @@ class PagedModelRunner:
         starts = metadata.query_start_loc_cpu.tolist()
         return [logits[starts[r]:starts[r + 1]] for r in range(len(chunks))]
 
+
+
+def load_hf_model(model_dir: str) -> torch.nn.Module:
+    """transformers' own model of a checkpoint, float32, eager attention (the reference of the model tests)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def random_token_prompts(seed: int, lengths: list[int], vocab: int = 512) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]

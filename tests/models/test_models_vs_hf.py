@@ -6,12 +6,12 @@ import torch
 
 from pellucid.models.loader import load_model
 from pellucid.tiny_models import build_tiny_model
-from tests.models.helpers import PagedModelRunner, relative_error
+from tests.models.helpers import (PagedModelRunner, hf_logits, load_hf_model, random_token_prompts,
+                                  relative_error)
 
 ARCHS = ["llama", "llama-tied", "llama-bias", "llama-rope-scaling", "llama-yarn", "llama-linear-rope",
          "qwen2", "qwen3", "qwen3-untied", "mistral"]
 TOLERANCE = 1e-4
-VOCAB = 512
 
 
 @pytest.fixture(scope="module")
@@ -25,34 +25,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return get  # type: ignore[return-value]
 
 
-def _hf_model(model_dir: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([token_ids])).logits[0].float()
-
-
-def _random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_prefill_matches_hf(checkpoints, arch: str, block_size: int) -> None:
     model_dir = checkpoints(arch)
     model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
+    hf_model = load_hf_model(model_dir)
     for seed in range(2):
-        prompts = _random_prompts(seed, [7, 33, 1, 20 + 17 * seed])
+        prompts = random_token_prompts(seed, [7, 33, 1, 20 + 17 * seed])
         runner = PagedModelRunner(model, block_size, seed=seed)
         batch_logits = runner.step(list(enumerate(prompts)), num_padded_tokens=sum(map(len, prompts)) + 3)
         for prompt, logits in zip(prompts, batch_logits):
-            assert relative_error(logits, _hf_logits(hf_model, prompt)) <= TOLERANCE
+            assert relative_error(logits, hf_logits(hf_model, prompt)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -60,10 +44,10 @@ def test_batched_prefill_matches_hf(checkpoints, arch: str, block_size: int) -> 
 def test_chunked_prefill_and_decode_match_one_shot(checkpoints, arch: str, block_size: int) -> None:
     model_dir = checkpoints(arch)
     model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
+    hf_model = load_hf_model(model_dir)
     for seed in range(2):
-        prompt = _random_prompts(100 + seed, [45])[0]
-        expected = _hf_logits(hf_model, prompt)
+        prompt = random_token_prompts(100 + seed, [45])[0]
+        expected = hf_logits(hf_model, prompt)
         runner = PagedModelRunner(model, block_size, seed=seed)
         one_shot = runner.step([("one-shot", prompt)])[0]
         split = 19 + seed * 8
@@ -79,24 +63,24 @@ def test_mixed_batch_of_decode_chunk_and_fresh_prefill(checkpoints, arch: str) -
     """One step holding a decode, a chunk on top of a cached prefix, and a prompt from zero."""
     model_dir = checkpoints(arch)
     model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
+    hf_model = load_hf_model(model_dir)
     for seed in range(2):
-        decode_prompt, chunk_prompt, fresh_prompt = _random_prompts(200 + seed, [21, 40, 13])
+        decode_prompt, chunk_prompt, fresh_prompt = random_token_prompts(200 + seed, [21, 40, 13])
         runner = PagedModelRunner(model, 16, seed=seed)
         runner.step([("decode", decode_prompt[:-1]), ("chunk", chunk_prompt[:17])])
         decode_logits, chunk_logits, fresh_logits = runner.step(
             [("decode", decode_prompt[-1:]), ("chunk", chunk_prompt[17:]), ("fresh", fresh_prompt)])
-        assert relative_error(decode_logits, _hf_logits(hf_model, decode_prompt)[-1:]) <= TOLERANCE
-        assert relative_error(chunk_logits, _hf_logits(hf_model, chunk_prompt)[17:]) <= TOLERANCE
-        assert relative_error(fresh_logits, _hf_logits(hf_model, fresh_prompt)) <= TOLERANCE
+        assert relative_error(decode_logits, hf_logits(hf_model, decode_prompt)[-1:]) <= TOLERANCE
+        assert relative_error(chunk_logits, hf_logits(hf_model, chunk_prompt)[17:]) <= TOLERANCE
+        assert relative_error(fresh_logits, hf_logits(hf_model, fresh_prompt)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decoder_layer_outputs_are_hf_hidden_states(checkpoints, arch: str) -> None:
     model_dir = checkpoints(arch)
     model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
-    prompt = _random_prompts(7, [26])[0]
+    hf_model = load_hf_model(model_dir)
+    prompt = random_token_prompts(7, [26])[0]
     captured: dict[int, torch.Tensor] = {}
     hooks = [layer.register_forward_hook(lambda mod, inp, out, i=i: captured.__setitem__(i, out.clone()))
              for i, layer in enumerate(model.model.layers)]
@@ -112,16 +96,18 @@ def test_decoder_layer_outputs_are_hf_hidden_states(checkpoints, arch: str) -> N
         assert relative_error(captured[i], hf_hidden[i + 1][0]) <= TOLERANCE
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe", "qwen2-moe", "mixtral"])
 def test_greedy_generation_matches_hf(checkpoints, arch: str) -> None:
     model_dir = checkpoints(arch)
     model, _ = load_model(model_dir, torch.float32, "cpu")
-    hf_model = _hf_model(model_dir)
+    hf_model = load_hf_model(model_dir)
     for seed in range(2):
-        prompt = _random_prompts(300 + seed, [9])[0]
+        prompt = random_token_prompts(300 + seed, [9])[0]
         with torch.no_grad():
+            # No EOS: min_new_tokens would otherwise mask it out of transformers' argmax, and not of ours.
             expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                         min_new_tokens=12)[0, len(prompt):].tolist()
+                                         min_new_tokens=12, eos_token_id=None,
+                                         pad_token_id=0)[0, len(prompt):].tolist()
         runner = PagedModelRunner(model, 16, seed=seed)
         logits = runner.step([("r", prompt)])[0]
         generated: list[int] = []
@@ -158,10 +144,10 @@ def test_model_exposes_hf_module_paths_and_cache_shape(checkpoints) -> None:
 def test_cuda_model_matches_hf(checkpoints, arch: str) -> None:
     model_dir = checkpoints(arch)
     model, _ = load_model(model_dir, torch.float32, "cuda")
-    hf_model = _hf_model(model_dir)
-    prompts = _random_prompts(400, [11, 40, 3])
+    hf_model = load_hf_model(model_dir)
+    prompts = random_token_prompts(400, [11, 40, 3])
     runner = PagedModelRunner(model, 16)
     first = runner.step([(i, p[:-1]) for i, p in enumerate(prompts)])
     last = runner.step([(i, p[-1:]) for i, p in enumerate(prompts)])
     for prompt, a, b in zip(prompts, first, last):
-        assert relative_error(torch.cat([a, b]).cpu(), _hf_logits(hf_model, prompt)) <= TOLERANCE
+        assert relative_error(torch.cat([a, b]).cpu(), hf_logits(hf_model, prompt)) <= TOLERANCE

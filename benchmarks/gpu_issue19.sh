@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Everything GPU-side of issue 19 (mixture-of-experts models) in one device call.
+# Usage (device tool): bash benchmarks/gpu_issue19.sh [SECTION ...]
+#   sections: diag diag30b checks tests kernels sweep latency throughput
+# $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
+# Sections stop starting after TOTAL_S seconds (default 570) so one device call holds the script.
+set -u
+OUT=${OUT:-/tmp/gpu_issue19}
+TOTAL_S=${TOTAL_S:-570}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+CACHE=/tmp/pellucid-bench-models
+sections=${*:-checks tests sweep latency}
+date -u +"date: %Y-%m-%dT%H:%MZ" | tee "$OUT/summary.md"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.md"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.md"
+
+run() {  # run NAME TIMEOUT CMD...: full output to all.log, tables and verdicts to summary.md
+  local name=$1 limit=$2; shift 2
+  local left=$((TOTAL_S - SECONDS))
+  if [ "$left" -lt 20 ]; then echo "-- $name skipped: out of time" | tee -a "$OUT/summary.md"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name: $*" | tee -a "$OUT/summary.md"
+  local t0=$SECONDS
+  echo "==== $name" >> "$OUT/all.log"
+  timeout "$limit" "$@" > "/tmp/$name.log" 2>&1
+  local rc=$?
+  cat "/tmp/$name.log" >> "$OUT/all.log"
+  grep -E '^\||^weights|^prompt|^workload|passed|failed|Error|PASSED|FAILED|checks|^replay|^engine|^query|^seq_lens|^touched' "/tmp/$name.log" | tail -60 >> "$OUT/summary.md"
+  echo "-- $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.md"
+}
+
+for s in $sections; do
+  case $s in
+    diag) run diag_traced 90 python3 benchmarks/moe_graph_diag.py --traced-first
+          run diag_plain 90 python3 benchmarks/moe_graph_diag.py
+          PELLUCID_PDL=0 run diag_traced_nopdl 90 python3 benchmarks/moe_graph_diag.py --traced-first ;;
+    diag30b) CUDA_LAUNCH_BLOCKING=1 run diag30b_eager 120 python3 benchmarks/moe_graph_diag.py --layers 48 --batch 1 \
+               --max-model-len 8209 --output-len 64 --eager-first ;;
+    checks) run moe_checks 120 python3 tests/gpu/moe_checks.py cuda routing experts block ;;
+    tests) run moe_tests 200 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_moe_gpu.py \
+             tests/gpu/test_no_sync.py tests/gpu/test_async_scheduling.py ;;
+    kernels) run moe_kernels 150 python3 benchmarks/moe_kernel_bench.py ;;
+    sweep) run moe_sweep 240 python3 benchmarks/moe_kernel_bench.py --sweep ;;
+    latency) run latency_30b 240 python3 -m pellucid.bench latency --model Qwen3-30B-A3B --model-cache "$CACHE" \
+               --batch-sizes 1,64,256 --input-len 128 --output-len 64 --prefill-len 8192 ;;
+    throughput) run throughput_30b 330 python3 -m pellucid.bench throughput --model Qwen3-30B-A3B \
+                  --model-cache "$CACHE" --hf-requests 32 --hf-scale 0.25 ;;
+    *) echo "unknown section $s" | tee -a "$OUT/summary.md" ;;
+  esac
+done

@@ -1,0 +1,94 @@
+"""The fused mixture-of-experts MLP on the GPU: routing, token layout, two grouped GEMMs and the top-k sum.
+
+Per MoE layer (pellucid.models.moe calls these while `fused_kernels_enabled(x, "moe")`):
+1. the router GEMM (the `gate` module, an ordinary linear layer);
+2. `route_and_align`: softmax, top-k, renormalisation, then the entries grouped by expert in blocks of
+   `block_m` rows (moe_routing.py, two launches);
+3. `fused_experts`: the gate/up grouped GEMM with SiLU-and-mul, the down grouped GEMM weighted by the
+   routing weights, and the sum over each token's experts (moe_gemm.py).
+
+Nothing reads device values on the host: buffer sizes and grids depend on the token count alone, so a
+CUDA graph captured for a batch size replays any routing, and steps launched ahead never wait.
+
+Tiles (`pick_tiles`): decode-sized batches route few tokens to each expert, so blocks of 16 rows and narrow
+column tiles give many programs streaming the chosen experts' weights; prefill uses 64-row blocks and wide
+tiles for the tensor cores. Measured in BENCHMARKS.md (issue 19).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pellucid.kernels.moe_gemm import GemmTile, down_weighted, gate_up_silu, sum_top_k
+from pellucid.kernels.moe_routing import ExpertLayout, layout_for, route_and_layout
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+
+
+# Chosen from benchmarks/moe_kernel_bench.py --sweep on an H100 (BENCHMARKS.md, issue 19), Qwen3-30B-A3B layer
+# shape, bf16: decode (<= 16 entries per expert) 16-row blocks; mid-size batches 32; prefill 64, and 128 from
+# 128 entries per expert on (8k-token prefill, 512 per expert: gate/up 1136 -> 802 us, down 814 -> 801 us per
+# layer in the sweep; the engine's 8k prefill in BENCHMARKS.md was measured with the 64-row tiles).
+DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
+MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))
+PREFILL_TILES = MoeTiles(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3))
+LONG_PREFILL_TILES = MoeTiles(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3))
+
+
+def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
+    """Tiles for a batch (for 2-byte dtypes): a function of the shapes alone, so a graph capture records the
+    same kernels."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 16:
+        return DECODE_TILES
+    if per_expert <= 64:
+        return MID_TILES
+    return PREFILL_TILES if per_expert <= 128 else LONG_PREFILL_TILES
+
+
+def fit_dtype(tiles: MoeTiles, dtype: torch.dtype) -> MoeTiles:
+    """Four-byte dtypes take half-depth K tiles: the same shared memory per pipeline stage."""
+    if torch.empty((), dtype=dtype).element_size() < 4:
+        return tiles
+    half = lambda t: GemmTile(t.block_n, max(16, t.block_k // 2), t.num_warps, t.num_stages)  # noqa: E731
+    return MoeTiles(tiles.block_m, half(tiles.gate_up), half(tiles.down))
+
+
+def route_and_align(logits: torch.Tensor, spec, tiles: MoeTiles | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout]:
+    """(ids [T, k] int32, weights [T, k], layout) for router logits [T, E]; `spec` a pellucid.models.moe.MoeSpec."""
+    num_tokens, num_experts = logits.shape
+    tiles = tiles or pick_tiles(num_tokens, spec.top_k, num_experts)
+    return route_and_layout(logits, spec.top_k, spec.normalize_top_k, spec.weights_dtype(logits.dtype),
+                            tiles.block_m)
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor, layout: ExpertLayout | None = None, tiles: MoeTiles | None = None
+                  ) -> torch.Tensor:
+    """sum_j weights[t, j] * down[ids[t, j]] @ (silu(gate) * up)(x[t]) -> [T, H] in x's dtype.
+
+    x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids and weights [T, k]. `layout`: the one route_and_align
+    made for these ids (made here when absent or laid out for other tiles)."""
+    num_tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
+    if x.dtype not in SUPPORTED_DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"fused MoE needs one dtype of {SUPPORTED_DTYPES} for the activations and expert weights, "
+                         f"got {x.dtype}, {gate_up.dtype}, {down.dtype}")
+    if x.stride(-1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
+        raise ValueError("fused MoE needs activations with unit stride along the hidden dimension and contiguous "
+                         "expert weights")
+    tiles = fit_dtype(tiles or pick_tiles(num_tokens, top_k, num_experts), x.dtype)
+    if layout is None or layout.block_m != tiles.block_m:
+        layout = layout_for(ids, num_experts, tiles.block_m)
+    h = gate_up_silu(x, gate_up, layout, tiles.gate_up)
+    y = down_weighted(h, down, weights.contiguous(), layout, tiles.down)
+    return sum_top_k(y, num_tokens, top_k)

@@ -1,0 +1,189 @@
+"""Grouped GEMMs of the mixture-of-experts MLP over the token layout of moe_routing.py.
+
+Program (block, column tile) multiplies the block's rows (token-expert entries, all of one expert) by that
+expert's weights:
+- `gate_up_silu`: x[token] @ gate_up[e]^T for the gate and the up rows of the tile, then silu(gate) * up,
+  rounded where the torch code rounds (each product to the activation dtype, silu, the product), stored in
+  the layout's row order (row block * BLOCK_M + i of a [blocks * BLOCK_M, I] buffer), so the next GEMM
+  reads whole blocks of consecutive rows;
+- `down_weighted`: those rows @ down[e]^T, rounded, times the entry's routing weight, rounded again
+  (transformers multiplies the rounded expert output by the weight), stored at the entry's row of [entries, H];
+- `sum_top_k`: each token's top-k rows summed in float32 (transformers adds them one by one in the
+  activation dtype; the sum differs from it by that rounding only).
+
+Blocks past the routing's last one (block_expert -1) and rows past a block's count do nothing. Every
+launch size depends on the token count only, so CUDA graphs capture them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pellucid.kernels.moe_routing import ExpertLayout
+from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
+from pellucid.kernels.skinny_gemm import interpreting
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST_DOT: tl.constexpr):
+    """acc += a @ b^T (b given as [N, K] rows)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    if UPCAST_DOT:      # the Triton CPU interpreter mishandles 16-bit dots; they are exact in fp32
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M: tl.constexpr):
+    """(expert, entries [BLOCK_M], the block's rows in layout order, row mask) of this program's block;
+    expert < 0 past the last block."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    rows = tl.load(block_rows_ptr + block)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < rows
+    slots = block.to(tl.int64) * BLOCK_M + offs_m
+    entries = tl.load(sorted_ptr + slots, mask=mask_m, other=0)
+    return expert, entries, slots, mask_m
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, H, I,
+                         stride_xt, stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)
+    wait_for_previous_kernel(PDL)
+    expert, entries, slots, mask_m = _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
+    if expert >= 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < I
+        safe_n = tl.where(mask_n, offs_n, 0).to(tl.int64)
+        w_expert = w_ptr + expert.to(tl.int64) * stride_we
+        gate_rows = w_expert + safe_n[:, None] * stride_wn
+        up_rows = w_expert + (safe_n + I)[:, None] * stride_wn
+        x_rows = x_ptr + (entries // TOP_K).to(tl.int64)[:, None] * stride_xt
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                wg = tl.load(gate_rows + offs_k[None, :])
+                wu = tl.load(up_rows + offs_k[None, :])
+            else:
+                mask_k = offs_k < H
+                a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                wg = tl.load(gate_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+                wu = tl.load(up_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            acc_gate = _dot(a, wg, acc_gate, UPCAST_DOT)
+            acc_up = _dot(a, wu, acc_up, UPCAST_DOT)
+        act_dtype = out_ptr.dtype.element_ty
+        gate = acc_gate.to(act_dtype).to(tl.float32)
+        up = acc_up.to(act_dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(act_dtype).to(tl.float32)
+        out = out_ptr + slots[:, None] * stride_ot + offs_n[None, :]
+        tl.store(out, (act * up).to(act_dtype), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_weighted_kernel(h_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, H, I,
+                          stride_ht, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)
+    wait_for_previous_kernel(PDL)
+    expert, entries, slots, mask_m = _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
+    if expert >= 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < H
+        safe_n = tl.where(mask_n, offs_n, 0).to(tl.int64)
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + safe_n[:, None] * stride_wn
+        h_rows = h_ptr + slots[:, None] * stride_ht
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(h_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                mask_k = offs_k < I
+                a = tl.load(h_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            acc = _dot(a, w, acc, UPCAST_DOT)
+        act_dtype = out_ptr.dtype.element_ty
+        routing = tl.load(weights_ptr + entries, mask=mask_m, other=0.0).to(tl.float32)
+        y = acc.to(act_dtype).to(tl.float32) * routing[:, None]
+        out = out_ptr + entries.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+        tl.store(out, y.to(act_dtype), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _sum_top_k_kernel(y_ptr, out_ptr, H, stride_yt, stride_ot, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                      PDL: tl.constexpr):
+    release_dependents(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    wait_for_previous_kernel(PDL)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * stride_yt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
+
+
+def _launch_grouped(kernel, layout: ExpertLayout, n: int, k: int, tile: GemmTile, ref: torch.Tensor, *args,
+                    **kwargs) -> None:
+    grid = (layout.num_blocks, triton.cdiv(n, tile.block_n))
+    kernel[grid](*args, BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                 EVEN_K=k % tile.block_k == 0, UPCAST_DOT=interpreting(), num_warps=tile.num_warps,
+                 num_stages=tile.num_stages, **kwargs, **pdl_launch_options(ref))
+
+
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, layout: ExpertLayout, tile: GemmTile) -> torch.Tensor:
+    """[blocks * block_m, I] in layout row order: silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T) per entry;
+    gate_up [E, 2I, H]."""
+    num_experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty((layout.sorted_entries.shape[0], inter), dtype=x.dtype, device=x.device)
+    if layout.num_blocks:
+        _launch_grouped(_gate_up_silu_kernel, layout, inter, hidden, tile, x, x, gate_up, out,
+                        layout.sorted_entries, layout.block_expert, layout.block_rows, hidden, inter, x.stride(0),
+                        gate_up.stride(0), gate_up.stride(1), out.stride(0), TOP_K=layout.top_k)
+    return out
+
+
+def down_weighted(h: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, layout: ExpertLayout,
+                  tile: GemmTile) -> torch.Tensor:
+    """[entries, H]: weight[entry] * (h[row] @ down[e]^T), h in layout row order (gate_up_silu's output);
+    down [E, H, I], weights [T, k] (contiguous)."""
+    num_experts, hidden, inter = down.shape
+    out = torch.empty((weights.numel(), hidden), dtype=h.dtype, device=h.device)
+    if layout.num_blocks:
+        _launch_grouped(_down_weighted_kernel, layout, hidden, inter, tile, h, h, down, weights, out,
+                        layout.sorted_entries, layout.block_expert, layout.block_rows, hidden, inter, h.stride(0),
+                        down.stride(0), down.stride(1), out.stride(0))
+    return out
+
+
+def sum_top_k(y: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """[T, H]: the sum of each token's top_k consecutive rows of y [T * top_k, H], in float32."""
+    hidden = y.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=y.device)
+    if num_tokens:
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+            **pdl_launch_options(y))
+    return out

@@ -1,0 +1,53 @@
+"""Checkpoint layouts of mixture-of-experts weights, and where each tensor goes in the model.
+
+The model holds every layer's experts as two 3D parameters, as transformers 5 does in memory:
+`mlp.experts.gate_up_proj` [E, 2 * I, hidden] (each expert's gate rows, then its up rows) and
+`mlp.experts.down_proj` [E, hidden, I]. Checkpoints come in two layouts, both accepted (a checkpoint may
+mix them across layers, never within one):
+
+- per-expert tensors, as published checkpoints have them and as transformers 5's `save_pretrained`
+  writes them: `mlp.experts.{e}.gate_proj.weight` [I, hidden], `up_proj`, `down_proj` (Qwen); Mixtral's
+  `block_sparse_moe.experts.{e}.w1.weight` (gate), `w3` (up), `w2` (down), under `block_sparse_moe`
+  instead of `mlp`;
+- the fused 3D tensors under the parameters' own names (what transformers 5 holds in memory).
+
+Anything else is refused by the loader, naming the tensor: an unknown per-expert projection here, an
+unexpected name or a wrong shape (e.g. a transposed fused tensor) in pellucid.models.loader.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
+
+
+@dataclass(frozen=True)
+class ExpertCheckpointNames:
+    """One architecture's per-expert tensor names."""
+
+    block_aliases: tuple[str, ...] = ()     # other names of the `mlp` module in checkpoints
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+    def target(self, name: str, intermediate_size: int) -> tuple[str, tuple[Any, ...]] | None:
+        """(parameter name, index into it) for checkpoint tensor `name`; None when it is the parameter of
+        the same name. ValueError for a per-expert tensor of an unknown projection."""
+        renamed = name
+        for alias in self.block_aliases:
+            renamed = renamed.replace(f".{alias}.", ".mlp.")
+        match = _PER_EXPERT.match(renamed)
+        if match is None:
+            return None if renamed == name else (renamed, ())
+        prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+        if proj == self.gate:
+            return f"{prefix}.gate_up_proj", (expert, slice(0, intermediate_size))
+        if proj == self.up:
+            return f"{prefix}.gate_up_proj", (expert, slice(intermediate_size, 2 * intermediate_size))
+        if proj == self.down:
+            return f"{prefix}.down_proj", (expert,)
+        raise ValueError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}; this architecture's "
+                         f"per-expert tensors are {self.gate}, {self.up} and {self.down} (or the fused "
+                         f"experts.gate_up_proj / experts.down_proj)")

@@ -1,0 +1,180 @@
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral), with HuggingFace's module paths.
+
+`model.layers.N.mlp` is a `SparseMoeBlock`:
+
+- `mlp.gate`: the router, a bias-free linear layer: normed hidden [T, hidden] -> router logits
+  [T, num_experts] (transformers 5's router module returns (logits, scores, indices); its first element
+  is this module's output);
+- `mlp.routing`: the routing decision, Pellucid's own site (no parameters): router logits -> per token
+  the weight of every expert in the MLP's output [T, num_experts], the chosen top-k experts carrying
+  their routing weights and every other expert 0. It runs as a module only while something observes it;
+  otherwise the routing (softmax, top-k, renormalisation) runs inside the fused kernels;
+- `mlp.experts`: the experts, weights stored as transformers 5 holds them in memory: `gate_up_proj`
+  [E, 2 * moe_intermediate, hidden] (gate rows, then up rows) and `down_proj` [E, hidden, moe_intermediate].
+  Input: the normed hidden states; output: the routing-weighted sum of the chosen experts' outputs;
+- Qwen2-MoE also has `mlp.shared_expert` (a dense gated MLP) and `mlp.shared_expert_gate` ([hidden] -> 1,
+  through a sigmoid), added to the experts' output.
+
+Routing equals transformers: softmax over the router logits in float32, `torch.topk`, optional
+renormalisation of the chosen probabilities, and (Qwen) the weights rounded to the logits' dtype. The
+CPU expert loop is transformers' eager one (chosen experts in increasing order, `index_add_` into the
+output), so logits match to float32 rounding and ties in top-k break the same way. On CUDA the routing
+and experts run as fused Triton kernels (pellucid.kernels.fused_moe) with no host sync, inside CUDA graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pellucid.kernels import fused_kernels_enabled
+from pellucid.models.layers import GatedMLP, Linear, is_observed
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """How one architecture routes tokens to experts."""
+
+    num_experts: int
+    top_k: int
+    normalize_top_k: bool           # renormalise the chosen experts' probabilities to sum to 1
+    weights_in_logits_dtype: bool   # Qwen rounds the routing weights to the logits' dtype; Mixtral keeps float32
+
+    def weights_dtype(self, logits_dtype: torch.dtype) -> torch.dtype:
+        return logits_dtype if self.weights_in_logits_dtype else torch.float32
+
+
+def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, k] int64, routing weights [T, k]) from router logits [T, E], as transformers computes them."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.normalize_top_k:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(spec.weights_dtype(logits.dtype))
+
+
+def dense_routing(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, E]: each token's routing weight per expert (0 for the experts it did not choose)."""
+    dense = torch.zeros(ids.shape[0], num_experts, dtype=weights.dtype, device=weights.device)
+    return dense.scatter_(1, ids.long(), weights)
+
+
+class TopKRouting(nn.Module):
+    """`mlp.routing`: router logits [T, E] -> routing weights per expert [T, E] (0 where not chosen).
+
+    Its output is what the experts use: the block runs, for each token, the experts with the largest
+    weights in it (the chosen ones), each weighted by its value there. Edits that keep the chosen set
+    (`scale` by a per-expert factor to ablate an expert, `zero`) are therefore exact; edits that would
+    put weight on experts the token did not choose are refused (`site_edit_kinds`): change the choice by
+    editing the router logits (`mlp.gate.output`) instead.
+    """
+
+    site_edit_kinds = {"output": ("scale", "zero", "apply")}
+
+    def __init__(self, spec: MoeSpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(ids [T, k], weights [T, k], the fused kernels' token layout or None) without calling the module."""
+        if fused_kernels_enabled(logits, "moe"):
+            from pellucid.kernels.fused_moe import route_and_align
+            return route_and_align(logits.contiguous(), self.spec)
+        ids, weights = route(logits, self.spec)
+        return ids, weights, None
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        ids, weights, _ = self.route(logits)
+        return dense_routing(ids, weights, self.spec.num_experts)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"num_experts={s.num_experts}, top_k={s.top_k}, normalize_top_k={s.normalize_top_k}"
+
+
+class FusedExperts(nn.Module):
+    """`mlp.experts`: forward(hidden [T, H], expert ids [T, k], routing weights [T, k]) -> [T, H]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype,
+                                                     device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype,
+                                                  device=device))
+        # transformers' module path; never called: SiLU runs inside the experts' computation on each expert's
+        # own tokens, not once over the flat batch, so it is not a site.
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                layout: Any = None) -> torch.Tensor:
+        """`layout`: the fused kernels' token layout made with `ids` by the routing kernel, if it ran."""
+        if fused_kernels_enabled(hidden_states, "moe"):
+            from pellucid.kernels.fused_moe import fused_experts
+            return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, ids, weights, layout)
+        if hidden_states.is_cuda:
+            return self._forward_masked(hidden_states, ids, weights)
+        return self._forward_loop(hidden_states, ids, weights)
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+
+    def _forward_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """transformers' eager loop: each chosen expert in increasing order on its tokens (reads the ids on the host)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == e)
+            contribution = self._expert(x[token], e) * weights[token, slot, None]
+            out.index_add_(0, token, contribution.to(out.dtype))
+        return out
+
+    def _forward_masked(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by 0 where not chosen: no host read, so CUDA graphs capture it.
+        Only for PELLUCID_FUSED_KERNELS without `moe` (debugging); it costs num_experts / top_k times the work."""
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            weight = torch.where(ids == e, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+            out += (self._expert(x, e) * weight.sum(dim=-1, keepdim=True)).to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+
+
+class SparseMoeBlock(nn.Module):
+    """`mlp` of a mixture-of-experts layer: experts(x, route(gate(x))) [+ sigmoid(shared_expert_gate(x)) * shared_expert(x)]."""
+
+    def __init__(self, spec: MoeSpec, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.spec = spec
+        self.gate = Linear(hidden_size, spec.num_experts, bias=False, **factory)
+        self.routing = TopKRouting(spec)
+        self.experts = FusedExperts(spec.num_experts, hidden_size, intermediate_size, **factory)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, False, **factory)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False, **factory)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(hidden_states)
+        if is_observed(self.routing):
+            # The experts run for the largest weights of the (possibly edited) routing decision: the chosen
+            # experts, or those of them an edit kept (the others weigh 0 and add nothing).
+            weights, ids = self.routing(logits).topk(self.spec.top_k, dim=-1)
+            layout = None
+        else:
+            ids, weights, layout = self.routing.route(logits)
+        out = self.experts(hidden_states, ids, weights, layout)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(hidden_states)
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+        return out

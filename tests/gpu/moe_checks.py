@@ -1,0 +1,179 @@
+"""Checks of the fused mixture-of-experts kernels (pellucid.kernels.fused_moe) against the torch code of
+pellucid.models.moe, runnable on a GPU or, on the CPU, under the Triton interpreter (TRITON_INTERPRET=1
+set before triton is imported).
+
+`python tests/gpu/moe_checks.py DEVICE [PART]` runs the checks and exits non-zero on the first mismatch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if __name__ == "__main__":     # run as a script (under the interpreter): make `tests` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.gpu.check_support import assert_close  # noqa: E402
+
+
+def _spec(num_experts: int, top_k: int, renormalize: bool, round_weights: bool):
+    from pellucid.models.moe import MoeSpec
+    return MoeSpec(num_experts, top_k, renormalize, round_weights)
+
+
+def check_routing(device: str, seed: int, cases: list[tuple[int, int, int]]) -> None:
+    """Expert choices equal a stable descending sort of the logits (equal logits, common in bf16: the lowest
+    expert index first) and the weights equal the torch routing's arithmetic on them."""
+    from pellucid.kernels.fused_moe import route_and_align
+    g = torch.Generator().manual_seed(seed)
+    for num_tokens, num_experts, top_k in cases:
+        for renormalize, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+            spec = _spec(num_experts, top_k, renormalize, True)
+            logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(dtype).to(device)
+            ids, weights, layout = route_and_align(logits, spec)
+            expected = torch.sort(logits.cpu().float(), dim=1, descending=True, stable=True).indices[:, :top_k]
+            what = f"routing T={num_tokens} E={num_experts} k={top_k} renorm={renormalize} {dtype}"
+            assert torch.equal(ids.cpu().long(), expected), what
+            probs = torch.softmax(logits.cpu().float(), dim=-1).gather(1, expected)
+            if renormalize:
+                probs = probs / probs.sum(dim=-1, keepdim=True)
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            assert weights.dtype == dtype and (weights.cpu().float() - probs.to(dtype).float()).abs().max() <= tol, what
+            check_layout(layout, ids.cpu().long(), num_experts, what)
+            # Ties everywhere: logits on a coarse grid.
+            tied = (torch.randint(0, 4, (num_tokens, num_experts), generator=g).float() / 4).to(device)
+            ids, _, layout = route_and_align(tied, _spec(num_experts, top_k, renormalize, False))
+            expected = torch.sort(tied.cpu(), dim=1, descending=True, stable=True).indices[:, :top_k]
+            assert torch.equal(ids.cpu().long(), expected), f"ties: {what}"
+            check_layout(layout, ids.cpu().long(), num_experts, f"ties: {what}")
+
+
+def check_layout(layout, ids: torch.Tensor, num_experts: int, what: str) -> None:
+    """Brute force: every entry sits exactly once in a block of its expert, blocks are filled from the start,
+    experts in increasing order, and the blocks past the last one are marked -1."""
+    block_m = layout.block_m
+    experts = layout.block_expert.cpu().tolist()
+    rows = layout.block_rows.cpu().tolist()
+    slots = layout.sorted_entries.cpu()
+    flat = ids.flatten()
+    seen = []
+    used = [b for b, e in enumerate(experts) if e >= 0]
+    assert used == list(range(len(used))), f"{what}: used blocks are not a prefix {experts}"
+    assert [experts[b] for b in used] == sorted(experts[b] for b in used), f"{what}: experts out of order"
+    for b in used:
+        assert 0 < rows[b] <= block_m, f"{what}: block {b} has {rows[b]} rows"
+        for i in range(rows[b]):
+            entry = int(slots[b * block_m + i])
+            assert int(flat[entry]) == experts[b], f"{what}: entry {entry} in a block of expert {experts[b]}"
+            seen.append(entry)
+    assert sorted(seen) == list(range(flat.numel())), f"{what}: entries missing or repeated"
+    for e in range(num_experts):
+        count = int((flat == e).sum())
+        assert sum(1 for b in used if experts[b] == e) == (count + block_m - 1) // block_m, f"{what}: blocks of {e}"
+    assert all(rows[b] == 0 for b in range(len(experts)) if experts[b] < 0)
+
+
+def _experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str, g: torch.Generator):
+    from pellucid.models.moe import FusedExperts
+    experts = FusedExperts(num_experts, hidden, inter, dtype, device)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5)
+        experts.down_proj.copy_(torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5)
+    return experts
+
+
+def _reference(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """transformers' expert arithmetic (each expert's output and its weighted product rounded to x's dtype),
+    the top-k contributions summed in float32 and rounded once, as the kernels do (transformers adds them one
+    by one in x's dtype, which in bfloat16 moves the sum by a few roundings more)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        out.index_add_(0, token, (experts._expert(x[token], e) * weights[token, slot, None]).to(x.dtype).float())
+    return out.to(x.dtype)
+
+
+def check_experts(device: str, seed: int, cases: list[tuple[int, int, int, int, int]], dtypes) -> None:
+    """fused_experts against the torch expert loop, with the layout from the routing kernel, a layout made
+    from given int64 ids (the traced path), and every tile family."""
+    from pellucid.kernels import fused_moe
+    g = torch.Generator().manual_seed(seed)
+    for num_tokens, num_experts, top_k, hidden, inter in cases:
+        for dtype in dtypes:
+            experts = _experts(num_experts, hidden, inter, dtype, device, g)
+            spec = _spec(num_experts, top_k, seed % 2 == 0, dtype != torch.float32)
+            x = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(device)
+            logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(dtype).to(device)
+            ids, weights, layout = fused_moe.route_and_align(logits, spec)
+            cpu = experts.to("cpu")
+            ref = _reference(cpu, x.cpu(), ids.cpu().long(), weights.cpu())
+            experts = cpu.to(device)
+            what = f"experts T={num_tokens} E={num_experts} k={top_k} H={hidden} I={inter} {dtype}"
+            weight_args = (experts.gate_up_proj, experts.down_proj)
+            out = fused_moe.fused_experts(x, *weight_args, ids, weights, layout)
+            assert_close(out.cpu(), ref, dtype, what)
+            assert_close(fused_moe.fused_experts(x, *weight_args, ids.long(), weights).cpu(), ref, dtype,
+                         f"{what} (int64 ids, own layout)")
+            for tiles in (fused_moe.DECODE_TILES, fused_moe.MID_TILES, fused_moe.PREFILL_TILES,
+                          fused_moe.LONG_PREFILL_TILES):
+                assert_close(fused_moe.fused_experts(x, *weight_args, ids, weights, None, tiles).cpu(), ref, dtype,
+                             f"{what} {tiles}")
+
+
+def check_block(device: str, seed: int) -> None:
+    """The whole SparseMoeBlock (router GEMM, fused routing and experts, Qwen2's shared expert) against
+    its torch path, traced (routing observed) and not."""
+    from pellucid.models.moe import SparseMoeBlock
+    g = torch.Generator().manual_seed(seed)
+    for shared in (0, 48):
+        spec = _spec(8, 2, True, True)
+        block = SparseMoeBlock(spec, 64, 32, shared, torch.float32, "cpu")
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        x = torch.randn(11, 64, generator=g)
+        with torch.no_grad():
+            ref = block(x)
+            block.to(device)
+            out = block(x.to(device))
+            assert_close(out.cpu(), ref, torch.float32, f"SparseMoeBlock shared={shared}")
+            seen = []
+            handle = block.routing.register_forward_hook(lambda m, a, o: seen.append(o))
+            traced = block(x.to(device))
+            handle.remove()
+            assert len(seen) == 1 and seen[0].shape == (11, 8)
+            assert_close(traced.cpu(), ref, torch.float32, f"SparseMoeBlock shared={shared} routing observed")
+
+
+CPU_PARTS = ("routing", "experts")          # "block" needs CUDA (the model only dispatches there)
+GPU_PARTS = ("routing", "experts", "block")
+
+
+def run_part(device: str, part: str) -> None:
+    on_cpu = device == "cpu"
+    if part == "routing":
+        cases = [(1, 8, 2), (5, 6, 3), (9, 16, 1)] if on_cpu else \
+            [(1, 128, 8), (7, 60, 4), (64, 128, 8), (65, 128, 8), (300, 128, 8), (1000, 8, 2), (4096, 64, 6)]
+        for seed in range(2):
+            check_routing(device, seed, cases)
+    elif part == "experts":
+        cases = [(1, 8, 2, 64, 32), (6, 4, 2, 80, 48), (70, 8, 2, 64, 32)] if on_cpu else \
+            [(1, 128, 8, 2048, 768), (3, 60, 4, 256, 200), (64, 128, 8, 512, 256), (256, 128, 8, 512, 256),
+             (1000, 16, 2, 256, 384), (512, 128, 8, 2048, 768)]
+        # The interpreter truncates to 16 bits instead of rounding: float16's finer mantissa keeps that small.
+        dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
+        for seed in range(2):
+            check_experts(device, seed, cases, dtypes)
+    elif part == "block":
+        for seed in range(2):
+            check_block(device, seed)
+    else:
+        raise ValueError(part)
+
+
+if __name__ == "__main__":
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    for name in sys.argv[2:] or CPU_PARTS:
+        run_part(device, name)
+    print("moe checks passed")
