@@ -83,7 +83,9 @@ class RequestFeature:
         final `outputs` whatever belongs to positions >= num_tokens - 1 (the last token is never fed)."""
 
     def for_engine(self, engine: Any) -> EngineFeature:
-        """This feature's half in `engine` (an EngineCore), made once per engine."""
+        """This feature's half in `engine` (an EngineCore), made once per engine. Keep the parts it needs
+        (`engine.runner`), not the engine: the engine holds its features, and a cycle would keep a dropped
+        engine's GPU memory until the cyclic garbage collector happens to run."""
         return EngineFeature()
 
 
@@ -126,7 +128,7 @@ class ActiveFeatures:
     """An engine core's feature halves, and which of its unfinished requests carry each feature."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
+        self._scheduler = engine.scheduler
         _load_builtin_and_plugins()
         ordered = sorted(_FEATURES.values(), key=lambda f: f.order)
         self._halves: dict[str, EngineFeature] = {f.key: f.for_engine(engine) for f in ordered}
@@ -177,7 +179,7 @@ class ActiveFeatures:
         return half
 
     def _forget_finished(self) -> None:
-        unfinished = self.engine.scheduler.requests
+        unfinished = self._scheduler.requests
         for key, carriers in list(self._carriers.items()):
             left = still_unfinished(carriers, unfinished)
             if left:

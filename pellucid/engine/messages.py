@@ -15,8 +15,11 @@ import msgspec
 
 from pellucid.sampling_params import SamplingParams
 
-# One sampled or prompt position's logprobs: (token ids [k+1], logprobs [k+1], rank of the first id).
-LogprobEntry = tuple[list[int], list[float], int]
+# One sampled position's logprobs: (token ids [k+1], logprobs [k+1], rank of the first id), the two as
+# numpy arrays: they cross a process boundary as raw bytes, with no Python object per value.
+LogprobEntry = tuple[Any, Any, int]
+# Consecutive prompt positions' logprobs: (token ids [P, k+1], logprobs [P, k+1], ranks [P]), numpy arrays.
+PromptLogprobs = tuple[Any, Any, Any]
 
 
 class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
@@ -78,8 +81,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[LogprobEntry] | None = None
-    # (first prompt position scored, entries for consecutive positions from there)
-    prompt_logprobs: tuple[int, list[LogprobEntry]] | None = None
+    # (first prompt position scored, the logprobs of consecutive positions from there)
+    prompt_logprobs: tuple[int, PromptLogprobs] | None = None
     finish_reason: str | None = None          # "stop" | "length" | "abort" | "error" once finished
     stop_reason: int | str | None = None      # the stop token id that ended it
     error: str | None = None

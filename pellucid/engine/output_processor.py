@@ -124,9 +124,9 @@ class OutputProcessor:
                 parent.first_token_time = time.monotonic()
             parent.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
-                first, entries = out.prompt_logprobs
-                for j, lp in enumerate(entries):
-                    parent.prompt_logprobs[first + j] = self._position_logprobs(lp)
+                first, (ids, lps, ranks) = out.prompt_logprobs
+                for j, (row_ids, row_lps, rank) in enumerate(zip(ids.tolist(), lps.tolist(), ranks.tolist())):
+                    parent.prompt_logprobs[first + j] = self._position_logprobs((row_ids, row_lps, rank))
             stop = self._add_tokens(parent, seq, out)
             if stop is not None:
                 stops.append(stop)
@@ -198,6 +198,8 @@ class OutputProcessor:
 
     def _position_logprobs(self, entry: LogprobEntry) -> PositionLogprobs:
         ids, lps, rank = entry
+        if not isinstance(ids, list):       # numpy rows, as the engine sends them
+            ids, lps = ids.tolist(), lps.tolist()
         out: PositionLogprobs = {}
         for j, (tid, lp) in enumerate(zip(ids, lps)):
             if tid in out:

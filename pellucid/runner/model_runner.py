@@ -268,18 +268,20 @@ class ModelRunner:
             if step.ready is not None:
                 step.ready.synchronize()
             token_ids = step.token_ids.tolist() if step.token_ids is not None else []
+            # Logprobs stay arrays (views of this step's own host copies): no Python object per value here;
+            # the frontend makes them into Logprob objects.
             lp = step.logprobs
             if lp is not None:
-                ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-            prompt_lps = [(rid, first, p.token_ids.tolist(), p.logprobs.tolist(), p.ranks.tolist())
+                ids, lps, ranks = lp.token_ids.numpy(), lp.logprobs.numpy(), lp.ranks.numpy()
+            prompt_lps = [(rid, first, p.token_ids.numpy(), p.logprobs.numpy(), p.ranks.numpy())
                           for rid, first, p in step.prompt_logprobs]
         out.sampled_token_ids = dict(zip(step.sample_request_ids, token_ids))
         if lp is not None:
             for row, (rid, k) in enumerate(zip(step.sample_request_ids, step.logprobs_k)):
                 if k is not None:
-                    out.logprobs[rid] = (ids[row][:k + 1], lps[row][:k + 1], ranks[row])
+                    out.logprobs[rid] = (ids[row, :k + 1], lps[row, :k + 1], int(ranks[row]))
         for rid, first, p_ids, p_lps, p_ranks in prompt_lps:
-            out.prompt_logprobs[rid] = (first, [(p_ids[r], p_lps[r], p_ranks[r]) for r in range(len(p_ranks))])
+            out.prompt_logprobs[rid] = (first, (p_ids, p_lps, p_ranks))
         if step.trace is not None:
             step.trace.finish_step(out)
         if step is self._last_sampled_by:

@@ -52,19 +52,19 @@ class Tracing(RequestFeature):
                 positions[name] = [kept[i] for i in keep]
 
     def for_engine(self, engine: Any) -> "EngineTracing":
-        return EngineTracing(engine)
+        return EngineTracing(engine.runner)
 
 
 class EngineTracing(EngineFeature):
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
 
     def prepare(self, request: Any) -> None:
         plan = TracePlan.from_extras(request.extras[TRACE_KEY])
         if not plan.ops:
             raise ValueError("the trace has no ops")
         request.extras[TRACE_KEY] = plan.bind(request.num_prompt_tokens, request.max_total_tokens,
-                                              request.request_id, site_table(self.engine.runner))
+                                              request.request_id, site_table(self.runner))
         # A traced request computes every prompt position itself; an edited one's KV is not the model's.
         request.read_prefix_cache = False
         if plan.edits:
@@ -72,7 +72,7 @@ class EngineTracing(EngineFeature):
 
     def set_active(self, active: bool) -> None:
         # Most steps trace nothing: the runner skips its per-request scan for traced rows then.
-        self.engine.runner.trace_possible = active
+        self.runner.trace_possible = active
 
     def after_step(self, changed: list[Any]) -> None:
         """Publish the saves (or the trace error) of traced requests that just finished, assembled together."""

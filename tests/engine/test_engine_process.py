@@ -188,3 +188,21 @@ def test_apply_ops_with_lambdas_stay_in_process(mp):
             tr.model.layers[0].output.apply(lambda rows: rows * 2)
     assert not mp.has_unfinished_requests()
     assert mp.generate(_prompts(2, 1), SamplingParams(max_tokens=3), use_tqdm=False)[0].error is None
+
+
+def test_a_dropped_engine_is_freed_at_once(model_dir):
+    """No reference cycle holds an engine core: dropping the LLM frees its model and KV cache right away
+    (on a GPU, several engines made one after another in a process each get the memory back)."""
+    import gc
+    import weakref
+
+    llm = LLM(model_dir, **ENGINE_KWARGS)
+    llm.generate(_prompts(5, 2), SamplingParams(max_tokens=4), use_tqdm=False,
+                 extras=[{"trace": TracePlan([Save(site="model.layers.0", name="h")])}, None])
+    core, kv = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_caches[0])
+    gc.disable()
+    try:
+        del llm
+        assert core() is None and kv() is None
+    finally:
+        gc.enable()

@@ -24,8 +24,10 @@ def test_64_streams_with_random_disconnects(server, reference_llm, seed):
     assert server.llm.info.pid != os.getpid()      # the engine core runs in its own process
     rng = random.Random(seed)
     prompts = random_prompts(100 + seed, 64)
-    max_tokens = [rng.randint(8, 48) for _ in prompts]
     leave_after = {i: rng.randint(1, 5) for i in rng.sample(range(64), 20)}     # chunks read before leaving
+    # The clients that leave asked for far more tokens than they read: the engine is still generating for
+    # them when they go.
+    max_tokens = [200 if i in leave_after else rng.randint(8, 48) for i in range(len(prompts))]
     refs = reference_llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
                                             for m in max_tokens], use_tqdm=False)
     aborted_before = server.llm.get_stats().num_aborted
@@ -55,10 +57,13 @@ def test_64_streams_with_random_disconnects(server, reference_llm, seed):
     for i, (text, finish, _) in enumerate(results):
         if i not in leave_after:
             assert (text, finish) == (refs[i].outputs[0].text, "length"), i
-    # The requests that left early were aborted (those the engine had not finished already: a client may
-    # leave with the final chunk on its way), and nothing leaks.
+    # Every request whose client left before its end was aborted, and nothing leaks. (A tiny random model
+    # samples many byte tokens that spell no text alone, so a request may reach its end within the chunks a
+    # client reads before leaving: that one finished, and was not aborted.)
+    left = [i for i in leave_after if results[i][1] is None]
+    assert all(results[i][2] == leave_after[i] for i in left) and len(left) >= len(leave_after) // 2
     wait_until(lambda: _engine_idle(server), timeout=30)
-    assert 0 < server.llm.get_stats().num_aborted - aborted_before <= len(leave_after)
+    assert server.llm.get_stats().num_aborted - aborted_before == len(left)
     assert server.metric("pellucid:kv_cache_used_blocks") == 0
 
 
