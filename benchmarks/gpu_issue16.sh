@@ -3,38 +3,20 @@
 # process and the engine paths it drives, then `pellucid bench serve`: the offline engine, the server
 # with its engine core in its own process, and the previous in-thread design, on the same requests.
 # Usage (device tool): bash benchmarks/gpu_issue16.sh [SECTION ...]   sections: tests serve throughput
-# FastAPI (with opentelemetry-api), uvicorn, pyzmq and msgspec are not installed there: carry their wheels (.whl, see the device
-# tool's README). $OUT/summary.md gets every table; $OUT/all.log every command's full output.
+# FastAPI (with opentelemetry-api), uvicorn, pyzmq and msgspec are not installed there: carry their wheels
+# (.whl, see the device tool's README). $OUT/summary.md gets every table; $OUT/all.log every command's output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue16}
 TOTAL_S=${TOTAL_S:-570}
-mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+SUMMARY_PATTERN='^\||passed|failed|Error|PASSED|FAILED|error'
 sections=${*:-tests serve}
-date -u +"date: %Y-%m-%dT%H:%MZ" | tee "$OUT/summary.md"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.md"
-python3 -c "import torch, triton, transformers, zmq, msgspec, fastapi; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.md"
+. "$(dirname "$0")/gpu_common.sh"
 nproc | sed 's/^/host cores: /' | tee -a "$OUT/summary.md"
-
-run() {  # run NAME TIMEOUT CMD...: full output to all.log, tables and verdicts to summary.md
-  local name=$1 limit=$2; shift 2
-  local left=$((TOTAL_S - SECONDS))
-  if [ "$left" -lt 20 ]; then echo "-- $name skipped: out of time" | tee -a "$OUT/summary.md"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  echo "== $name: $*" | tee -a "$OUT/summary.md"
-  local t0=$SECONDS
-  echo "==== $name" >> "$OUT/all.log"
-  timeout "$limit" "$@" > "/tmp/$name.log" 2>&1
-  local rc=$?
-  cat "/tmp/$name.log" >> "$OUT/all.log"
-  grep -E '^\||passed|failed|Error|PASSED|FAILED|error' "/tmp/$name.log" | tail -40 >> "$OUT/summary.md"
-  echo "-- $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.md"
-}
 
 for s in $sections; do
   case $s in

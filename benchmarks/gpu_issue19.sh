@@ -7,28 +7,11 @@
 set -u
 OUT=${OUT:-/tmp/gpu_issue19}
 TOTAL_S=${TOTAL_S:-570}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+SUMMARY_PATTERN='^\||^weights|^prompt|^workload|passed|failed|Error|PASSED|FAILED|checks|^replay|^engine|^query|^seq_lens|^touched'
+SUMMARY_LINES=60
 CACHE=/tmp/pellucid-bench-models
 sections=${*:-checks tests sweep latency}
-date -u +"date: %Y-%m-%dT%H:%MZ" | tee "$OUT/summary.md"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.md"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.md"
-
-run() {  # run NAME TIMEOUT CMD...: full output to all.log, tables and verdicts to summary.md
-  local name=$1 limit=$2; shift 2
-  local left=$((TOTAL_S - SECONDS))
-  if [ "$left" -lt 20 ]; then echo "-- $name skipped: out of time" | tee -a "$OUT/summary.md"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  echo "== $name: $*" | tee -a "$OUT/summary.md"
-  local t0=$SECONDS
-  echo "==== $name" >> "$OUT/all.log"
-  timeout "$limit" "$@" > "/tmp/$name.log" 2>&1
-  local rc=$?
-  cat "/tmp/$name.log" >> "$OUT/all.log"
-  grep -E '^\||^weights|^prompt|^workload|passed|failed|Error|PASSED|FAILED|checks|^replay|^engine|^query|^seq_lens|^touched' "/tmp/$name.log" | tail -60 >> "$OUT/summary.md"
-  echo "-- $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.md"
-}
+. "$(dirname "$0")/gpu_common.sh"
 
 for s in $sections; do
   case $s in

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from pellucid.config import EngineConfig
 from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, make_client
 from pellucid.engine.engine_core import EngineCore, EngineInfo
-from pellucid.engine.input_processor import InputProcessor, ProcessedRequest
+from pellucid.engine.input_processor import InputProcessor, ProcessedRequest, send
 from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
@@ -117,14 +117,10 @@ class LLM:
     def _add(self, request: ProcessedRequest, stream: bool) -> None:
         self.output_processor.add(request.request_id, request.prompt, request.prompt_token_ids, request.params,
                                   request.child_ids, stream=stream, feature_keys=request.feature_keys)
-        sent = []
         try:
-            for engine_request in request.engine_requests:
-                self.client.add_request(engine_request)
-                sent.append(engine_request.request_id)
+            send(self.client, request)
         except BaseException:
             self.output_processor.forget(request.request_id)
-            self.client.finish_requests(sent)
             raise
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

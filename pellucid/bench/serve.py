@@ -169,11 +169,12 @@ class _Server:
 
     def _cpu_seconds(self) -> list[float]:
         """CPU time (user + system) of the server process, then of its engine process if it has one."""
-        pids = [self.proc.pid] + _children(self.proc.pid)
+        pids = [self.proc.pid] + child_pids(self.proc.pid)
         return [_cpu_time(pid) for pid in pids]
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
+    """The children of a process (Linux: /proc/<pid>/task/<tid>/children)."""
     children = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/children") as f:

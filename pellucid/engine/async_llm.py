@@ -22,7 +22,7 @@ import pellucid
 from pellucid.config import EngineConfig
 from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, make_client
 from pellucid.engine.engine_core import EngineCore, EngineInfo
-from pellucid.engine.input_processor import InputProcessor
+from pellucid.engine.input_processor import InputProcessor, send
 from pellucid.engine.messages import EngineCoreOutputs, EngineStats
 from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
@@ -173,15 +173,11 @@ class AsyncLLM:
         self._outputs.add(request_id, processed.prompt, processed.prompt_token_ids, processed.params,
                           processed.child_ids, stream=True, feature_keys=processed.feature_keys)
         self._streams[request_id] = stream
-        sent = []
         try:
-            for engine_request in processed.engine_requests:
-                self._client.add_request(engine_request)
-                sent.append(engine_request.request_id)
+            send(self._client, processed)
         except BaseException:
             self._streams.pop(request_id, None)
             self._outputs.forget(request_id)
-            self._client.finish_requests(sent)
             raise
         return stream
 

@@ -93,6 +93,18 @@ class InputProcessor:
                                 publishing)
 
 
+def send(client: Any, request: ProcessedRequest) -> None:
+    """Send a request's engine requests; if one cannot be sent, end the ones already sent and re-raise."""
+    sent = []
+    try:
+        for engine_request in request.engine_requests:
+            client.add_request(engine_request)
+            sent.append(engine_request.request_id)
+    except BaseException:
+        client.finish_requests(sent)
+        raise
+
+
 def _max_total_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """The longest sequence (prompt + output) a request may reach, as the engine's Request computes it."""
     return min(max_model_len, num_prompt_tokens + max_tokens) if max_tokens else max_model_len

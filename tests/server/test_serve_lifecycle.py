@@ -12,18 +12,10 @@ import time
 
 import httpx
 
+from pellucid.bench.serve import child_pids
 from server_harness import free_port, start_serve_process, wait_healthy
 
 SERVE = [sys.executable, "-m", "pellucid"]
-
-
-def child_pids(pid: int) -> list[int]:
-    """The children of a process (Linux: /proc/<pid>/task/<tid>/children)."""
-    children = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            children += [int(c) for c in f.read().split()]
-    return children
 
 
 def alive(pid: int) -> bool:
