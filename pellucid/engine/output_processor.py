@@ -212,7 +212,8 @@ class OutputProcessor:
         """Cumulative outputs of the touched parents; finished parents are forgotten afterwards."""
         outputs = []
         for parent in touched.values():
-            finished = all(seq.finished for seq in parent.seqs)
+            seqs = parent.seqs
+            finished = seqs[0].finished if len(seqs) == 1 else all(seq.finished for seq in seqs)
             if not (finished or parent.stream):
                 continue
             outputs.append(self._output(parent, finished))
@@ -239,8 +240,12 @@ class OutputProcessor:
 
     def _output(self, parent: ParentState, finished: bool) -> RequestOutput:
         seqs = parent.seqs
-        completions = [self._completion(parent, seq) for seq in seqs]
-        error = next((s.error for s in seqs if s.error), None)
+        if len(seqs) == 1:
+            completions = [self._completion(parent, seqs[0])]
+            error = seqs[0].error
+        else:
+            completions = [self._completion(parent, seq) for seq in seqs]
+            error = next((s.error for s in seqs if s.error), None)
         metrics = {"arrival_time": parent.arrival_time}
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time

@@ -76,6 +76,14 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
+def _observe(timer: RequestTimer, tracker: ChoiceTracker, output: RequestOutput) -> None:
+    """Latency metrics for an output the response just took in (after tracker.update)."""
+    timer.observe(tracker.num_generated)
+    if output.finished:
+        for completion in output.outputs:
+            timer.finish(completion.finish_reason or "unknown")
+
+
 def _sse(payload: BaseModel | dict[str, Any]) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
@@ -158,6 +166,16 @@ class OpenAIServer:
         Outputs are cumulative, so only the newest unread one per prompt is kept: a slow client
         costs no memory, it just receives bigger deltas.
         """
+        if len(streams) == 1:
+            # One prompt (every chat request, most completions): read it directly, with no pump task and
+            # no event between the engine's output and the response, per token.
+            try:
+                async for output in streams[0]:
+                    yield 0, output
+                    _observe(timer, tracker, output)
+            finally:
+                streams[0].cancel()
+            return
         newest: dict[int, RequestOutput] = {}
         failures: list[BaseException] = []
         ended: set[int] = set()
@@ -185,10 +203,7 @@ class OpenAIServer:
                 newest.clear()
                 for index, output in batch:
                     yield index, output
-                    timer.observe(tracker.num_generated)
-                    if output.finished:
-                        for completion in output.outputs:
-                            timer.finish(completion.finish_reason or "unknown")
+                    _observe(timer, tracker, output)
             if failures:
                 raise failures[0]
         finally:
