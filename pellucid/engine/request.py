@@ -45,10 +45,9 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: set[int] | None = None, prompt: str | None = None,
+                 eos_token_ids: set[int] | None = None,
                  arrival_time: float | None = None, max_model_len: int | None = None) -> None:
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids or ())
@@ -85,8 +84,6 @@ class Request:
         # Report every step it progresses (True) or only when it finishes (see EngineCoreRequest.stream).
         self.stream_outputs = True
         self.num_reported_tokens = 0         # output tokens already reported to the frontend
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -254,10 +254,10 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput, now: float | None = None) -> list[Request]:
-        """Apply one step's results: append sampled tokens (stamping token times with `now`), run
-        token-level stop checks, end failed requests. Returns the requests that got a token or
-        finished. Stop strings are the output processor's job (it calls finish_requests)."""
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results: append sampled tokens, run token-level stop checks, end failed
+        requests. Returns the requests that got a token or finished. Stop strings are the frontend's job
+        (it ends such requests through the engine's finish_requests)."""
         changed: list[Request] = []
         append_changed = changed.append
         errors = runner_output.errors
@@ -288,10 +288,6 @@ class Scheduler:
             all_token_ids = request.all_token_ids
             all_token_ids.append(token)
             num_generated += 1
-            if now is not None:
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                request.last_token_time = now
             # Token-level stop conditions, in vLLM's order: length, then (past min_tokens) EOS / stop ids.
             params = request.sampling_params
             if len(all_token_ids) >= request.max_total_tokens:
