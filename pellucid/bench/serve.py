@@ -6,7 +6,9 @@ in a thread of the API server's process, the design before) is started as `pellu
 with the same requests, all at once and at fixed Poisson rates. Every row is printed beside the offline
 figure (the ratio), with TTFT / ITL percentiles, the engine's mean step time and tokens per step while
 the load ran (its busy time, from /metrics), and the CPU time each process spent per output token:
-the API server's (the frontend: HTTP, tokenization, detokenization, SSE) and the engine core's.
+the API server's (the frontend: HTTP, tokenization, detokenization, SSE) and the engine core's. "API server
+cores" is the API server's CPU time over the load's duration: near 1.0, one API server process is the
+bottleneck and several (vLLM's --api-server-count) would pay off.
 """
 from __future__ import annotations
 
@@ -51,12 +53,13 @@ def run_serve_bench(args: argparse.Namespace) -> None:
                              args.seed)
     rates = [float(r) for r in args.rates.split(",")]
     headers = ["system", "load", "requests", "output tok/s", "vs offline", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
-               "engine step ms", "tokens/step", "API server CPU us/tok", "engine CPU us/tok", "failed"]
+               "engine step ms", "tokens/step", "API server CPU us/tok", "API server cores", "engine CPU us/tok",
+               "failed"]
     rows = []
     offline = None
     if not args.no_offline:
         offline = _run_offline(model_dir, args, requests)
-        rows.append(["LLM.generate", "all at once", str(len(requests)), f"{offline:,.0f}", "1.00x"] + ["-"] * 7)
+        rows.append(["LLM.generate", "all at once", str(len(requests)), f"{offline:,.0f}", "1.00x"] + ["-"] * 8)
         print_table(headers, rows)
     for variant in args.variants.split(","):
         with _Server(model_dir, args, VARIANTS[variant]) as server:
@@ -157,7 +160,8 @@ class _Server:
                 f"{s.output_tok_s:,.0f}", f"{s.output_tok_s / offline:.2f}x" if offline else "-",
                 f"{s.ttft_ms[0]:.1f} / {s.ttft_ms[1]:.1f}", f"{s.itl_ms[0]:.2f} / {s.itl_ms[1]:.2f}",
                 f"{busy / steps * 1e3:.2f}" if steps else "-", f"{tokens / steps:.1f}" if steps else "-",
-                per_token[0], per_token[1] if len(per_token) > 1 else "-", str(s.num_failed)]
+                per_token[0], f"{(after_cpu[0] - before_cpu[0]) / duration:.2f}",
+                per_token[1] if len(per_token) > 1 else "-", str(s.num_failed)]
 
     def _metrics(self) -> dict[str, float]:
         import httpx
