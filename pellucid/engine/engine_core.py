@@ -338,6 +338,11 @@ class EngineCore:
             self.features.after_step(changed)
             make = self._output
             outputs = [make(req, ro) for req in changed if req.stream_outputs or req.status is not _RUNNING]
+            if ro.prompt_logprobs:
+                # A prompt chunk that samples nothing still scored its positions: report them too.
+                reported = {out.request_id for out in outputs}
+                outputs += [make(req, ro) for req in so.requests
+                            if req.request_id in ro.prompt_logprobs and req.request_id not in reported]
             if self._deferred:
                 outputs = [out for out in outputs if out is not None]
         outputs = self._with_pending(outputs)

@@ -206,3 +206,20 @@ def test_a_dropped_engine_is_freed_at_once(model_dir):
         assert core() is None and kv() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_prompt_logprobs_survive_chunked_prefill(model_dir, engine_process):
+    """Every prompt position is scored, however many steps the prompt's prefill takes (chunks that sample
+    nothing report their positions too), and the values equal an unchunked prefill's."""
+    prompts = _prompts(11, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    whole = LLM(model_dir, **ENGINE_KWARGS).generate(prompts, params, use_tqdm=False)
+    chunked_llm = LLM(model_dir, engine_process=engine_process, max_num_batched_tokens=8, **ENGINE_KWARGS)
+    try:
+        chunked = chunked_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        chunked_llm.shutdown()
+    for a, b in zip(chunked, whole):
+        assert a.prompt_logprobs[0] is None and all(p is not None for p in a.prompt_logprobs[1:])
+    _assert_same(chunked, whole)
