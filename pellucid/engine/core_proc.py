@@ -39,6 +39,7 @@ from pellucid.engine.core_client import BackgroundClient, EngineStartupError
 from pellucid.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInput, EngineStats, Shutdown
 from pellucid.engine.serial import MessageDecoder, MessageEncoder
 from pellucid.logger import get_logger
+from pellucid.process_exit import describe_exit
 
 logger = get_logger(__name__)
 
@@ -89,7 +90,8 @@ def main() -> None:
         _exit(context, [inputs, outputs], 1)
     outputs.send_multipart(encoder.encode(_Startup(info=pickle.dumps(info), stats=core.stats())), copy=False)
     freeze_startup_heap()
-    code = _serve(core, inputs, outputs, stop)
+    code = _serve(core, inputs, outputs, stop, context)
+    core.shutdown()
     _exit(context, [inputs, outputs], code)
 
 
@@ -112,7 +114,7 @@ def _exit(context: zmq.Context, sockets: list[zmq.Socket], code: int) -> None:
     os._exit(code)
 
 
-def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.Event) -> int:
+def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.Event, context: zmq.Context) -> int:
     from pellucid.engine.core_loop import EngineCoreLoop
 
     input_queue: queue.Queue[Any] = queue.Queue()
@@ -142,6 +144,16 @@ def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.E
     sender = threading.Thread(target=send_outputs, name="pellucid-engine-outputs", daemon=True)
     reader.start()
     sender.start()
+
+    def die(reason: str) -> None:
+        """The engine cannot go on (a tensor-parallel worker died; called from its watchdog thread, while
+        the loop may be stuck in a collective): the frontend learns why, then this process ends (and with
+        it, through their stdin, the other workers)."""
+        output_queue.put(EngineCoreOutputs(engine_error=reason))
+        output_queue.put(None)
+        sender.join(timeout=10.0)
+        _exit(context, [inputs, outputs], 1)
+    core.set_fatal_handler(die)
     code = 0
     try:
         EngineCoreLoop(core, input_queue, output_queue.put).run()
@@ -305,13 +317,7 @@ def _start_process(settings: StartupSettings) -> subprocess.Popen:
 
 
 def _exit_description(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"the engine process was killed by {name}"
-    return f"the engine process exited with code {code}"
+    return f"the engine process {describe_exit(code)}"
 
 
 # Engine processes still running when this interpreter exits are shut down (the pipe would end them too,

@@ -32,6 +32,7 @@ def _num_experts(hf_config: Any) -> int:
 class MoeCausalLM(LlamaForCausalLM):
     """Shared by the mixture-of-experts architectures: which layers are sparse and how they route."""
 
+    supports_tensor_parallel = False    # the experts are not sharded yet
     shared_expert = False           # Qwen2-MoE: a dense shared expert next to the routed ones
     weights_in_logits_dtype = True  # Qwen: routing weights rounded to the logits' dtype
 
