@@ -156,13 +156,16 @@ class TensorParallel:
         try:
             result, error = fn(), None
         except Exception as exc:     # reported to every rank below, then raised
-            logger.exception("tensor-parallel rank %d: %s failed", self.rank, what)
+            logger.debug("tensor-parallel rank %d: %s failed", self.rank, what, exc_info=True)
             result, error = None, f"{type(exc).__name__}: {exc}"
-        errors = self.all_gather_object(error)
-        failed = [f"rank {rank}: {err}" for rank, err in enumerate(errors) if err is not None]
-        if failed:
-            raise TensorParallelStartupError(f"{what} failed on {len(failed)} of {self.size} tensor-parallel "
-                                             f"ranks: {'; '.join(failed)}")
+        ranks_of: dict[str, list[int]] = {}
+        for rank, err in enumerate(self.all_gather_object(error)):
+            if err is not None:
+                ranks_of.setdefault(err, []).append(rank)
+        if ranks_of:
+            failed = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {err}"
+                               for err, r in ranks_of.items())
+            raise TensorParallelStartupError(f"{what} failed on tensor-parallel {failed}")
         return result  # type: ignore[return-value]
 
 

@@ -1,0 +1,71 @@
+"""Tensor-parallel faults on the CPU: a worker killed mid-generation fails the requests in flight with an
+error naming it and ends the engine (no process left behind); a configuration no rank can run is a clear
+start-up error."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from pellucid import LLM, SamplingParams
+from pellucid.bench.serve import child_pids
+from pellucid.engine.core_client import EngineDeadError, EngineStartupError
+
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"processes still alive: {[p for p in pids if _alive(p)]}"
+        time.sleep(0.05)
+
+
+def test_a_killed_worker_fails_the_requests_and_ends_the_engine(tiny_model_factory):
+    llm = LLM(tiny_model_factory("qwen3", num_hidden_layers=2), tensor_parallel_size=2, **ENGINE)
+    engine = llm.client.pid
+    workers = [pid for pid in child_pids(engine)
+               if "pellucid.distributed.worker" in open(f"/proc/{pid}/cmdline").read()]
+    assert len(workers) == 1
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    outcome: dict[str, BaseException] = {}
+
+    def generate() -> None:
+        try:
+            llm.generate([[5, 6, 7]] * 3, params, use_tqdm=False)
+        except BaseException as exc:
+            outcome["error"] = exc
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while llm.client.latest_stats.generation_tokens_total == 0 and llm.client.latest_stats.num_running == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(workers[0], signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, EngineDeadError), error
+    assert "tensor-parallel worker rank 1 was killed by SIGKILL" in str(error)
+    _wait_gone([engine, *workers])
+    with pytest.raises(EngineDeadError):
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    llm.shutdown()
+
+
+def test_a_model_the_ranks_cannot_split_is_a_startup_error(tiny_model_factory):
+    # 4 attention heads over 3 ranks: every rank refuses to build its shard, and says why.
+    with pytest.raises(EngineStartupError, match=r"num_attention_heads \(4\) must be divisible by "
+                                                 r"tensor_parallel_size \(3\)"):
+        LLM(tiny_model_factory("qwen3", num_hidden_layers=2), tensor_parallel_size=3, **ENGINE)
