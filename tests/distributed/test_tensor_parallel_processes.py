@@ -1,10 +1,12 @@
-"""Tensor-parallel faults on the CPU: a worker killed mid-generation fails the requests in flight with an
-error naming it and ends the engine (no process left behind); a configuration no rank can run is a clear
-start-up error."""
+"""Tensor-parallel processes on the CPU: ranks started by torchrun (env:// rendezvous) serve as the engine's
+own workers do; a worker killed mid-generation fails the requests in flight with an error naming it and
+ends the engine (no process left behind); a configuration no rank can run is a clear start-up error."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,6 +15,7 @@ import pytest
 from pellucid import LLM, SamplingParams
 from pellucid.bench.serve import child_pids
 from pellucid.engine.core_client import EngineDeadError, EngineStartupError
+from tests.server.server_harness import REPO_ROOT, free_port
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64)
 
@@ -69,3 +72,23 @@ def test_a_model_the_ranks_cannot_split_is_a_startup_error(tiny_model_factory):
     with pytest.raises(EngineStartupError, match=r"num_attention_heads \(4\) must be divisible by "
                                                  r"tensor_parallel_size \(3\)"):
         LLM(tiny_model_factory("qwen3", num_hidden_layers=2), tensor_parallel_size=3, **ENGINE)
+
+
+def test_ranks_launched_by_torchrun_generate_as_tp1(tiny_model_factory):
+    """`torchrun --nproc-per-node 2 -m pellucid generate ... --tensor-parallel-size 2`: rank 0 runs the
+    engine, rank 1 becomes its worker; both exit 0 and the text equals the one-process engine's."""
+    model = tiny_model_factory("qwen3", num_hidden_layers=2)
+    prompts = ["the quick brown fox", "hello world"]
+    flags = ["--model", model, "--device", "cpu", "--max-model-len", "128", "--num-kv-blocks", "64",
+             "--max-tokens", "8", "--ignore-eos"]
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "-m", "pellucid", "generate", *prompts, *flags,
+                           "--tensor-parallel-size", "2"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = LLM(model, **ENGINE).generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                             use_tqdm=False)
+    for prompt, out in zip(prompts, expected):
+        assert f"--- prompt: {prompt!r} (8 tokens, finish: length)\n{out.outputs[0].text}\n" in done.stdout
+    assert done.stdout.count("--- prompt:") == len(prompts)      # printed by rank 0 only
