@@ -87,17 +87,19 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
                 continue
             target = resolve(name) if resolve is not None else None
-            param_name, index = target if target is not None else (name, ())
+            # A target may name the rank's part of the tensor too: (parameter name, index, RankSlice | None).
+            param_name, index, part = (*target, None)[:3] if target is not None else (name, (), None)
             param = params.get(param_name)
             if param is None:
                 unexpected.append(f"{name} (in {os.path.basename(path)})")
                 continue
             dest = param[index] if index else param
-            module_name, _, attr = param_name.rpartition(".")
-            part = checkpoint_slice(modules[module_name], attr, stored.shape) if not index else None
+            if not index:
+                module_name, _, attr = param_name.rpartition(".")
+                part = checkpoint_slice(modules[module_name], attr, stored.shape)
             if part is not None:
-                dim, start, stop = part
-                tensor = stored.read_slice(dim, start, stop)
+                dim, ranges = part
+                tensor = stored.read_slices(dim, ranges)
                 pad = dest.shape[dim] - tensor.shape[dim]
                 if pad > 0:
                     dest.narrow(dim, tensor.shape[dim], pad).zero_()
@@ -108,7 +110,7 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
             if tuple(tensor.shape) != tuple(dest.shape):
                 where = "" if param_name == name else f" (its part of {param_name!r}, shape {tuple(param.shape)})"
                 if part is not None:
-                    where += f" (this rank's slice {part[1]}:{part[2]} of dim {part[0]})"
+                    where += f" (this rank's part {part[1]} of dim {part[0]})"
                 raise ValueError(f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dest.shape)}{where}")
             dest.copy_(tensor)
@@ -185,13 +187,17 @@ class _StoredTensor:
     def read(self) -> torch.Tensor:
         return _get_tensor(self.handle, self.path, self.name)
 
-    def read_slice(self, dim: int, start: int, stop: int) -> torch.Tensor:
-        index = (slice(None),) * dim + (slice(start, stop),)
-        try:
-            return self._slice[index]
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"cannot read {self.name!r}[{start}:{stop} of dim {dim}] from {self.path} "
-                             f"(truncated or corrupt?): {exc}") from exc
+    def read_slices(self, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The ranges [start, stop) of dim, concatenated along it."""
+        parts = []
+        for start, stop in ranges:
+            index = (slice(None),) * dim + (slice(start, stop),)
+            try:
+                parts.append(self._slice[index])
+            except (SafetensorError, OSError) as exc:
+                raise ValueError(f"cannot read {self.name!r}[{start}:{stop} of dim {dim}] from {self.path} "
+                                 f"(truncated or corrupt?): {exc}") from exc
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, _StoredTensor]]:

@@ -6,10 +6,14 @@
   products with an all-reduce and adds the bias once, so its output is the full value HuggingFace computes.
 - The vocabulary (`VocabParallelEmbedding`, the LM head weight): each rank holds a contiguous range of rows,
   the vocabulary padded to a multiple of the rank count.
+- Mixture-of-experts layers (moe.py): every rank holds every expert's columns of its share of the expert
+  intermediate size (gate/up rows, down columns), and the experts' output is all-reduced; the router is
+  whole on every rank.
 
 Every sharded module records what it holds, for the two consumers that need the full picture:
-- `tp_weights` {parameter name: (dim, Shard)}: the loader reads only this rank's slice of the checkpoint
-  tensor (models/loader.py);
+- `tp_weights` {parameter name: (dim, Shard) or (dim, Shard, blocks)}: the loader reads only this rank's
+  slice of the checkpoint tensor (models/loader.py); `blocks` equal blocks of dim are sharded alike (the
+  experts' fused gate/up tensor);
 - `tp_sites` {"input" | "output": Shard of dim 1}: a trace of that site sees the full tensor, gathered
   from the ranks, and an edit of it lands back on each rank's part (tracing/taps.py `install_hooks`).
 
@@ -132,15 +136,24 @@ def lm_head_linear(hidden_size: int, vocab_size: int, dtype: torch.dtype, device
     return head
 
 
-def checkpoint_slice(module: nn.Module, param_name: str, full_shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-    """(dim, start, stop) of the checkpoint tensor of `module.<param_name>` that this rank holds, in
-    elements of the checkpoint tensor of shape `full_shape`; None when the rank holds all of it."""
+RankSlice = tuple[int, list[tuple[int, int]]]     # (dim, [(start, stop), ...]): the ranges, concatenated
+
+
+def checkpoint_slice(module: nn.Module, param_name: str, full_shape: tuple[int, ...]) -> RankSlice | None:
+    """The part of the checkpoint tensor of `module.<param_name>` (of shape `full_shape`) this rank holds:
+    (dim, element ranges along it, concatenated); None when the rank holds all of it. A spec
+    `(dim, shard, blocks)` splits dim into `blocks` equal blocks sharded alike (a fused gate/up tensor)."""
     spec: Any = getattr(module, "tp_weights", {}).get(param_name)
     if spec is None:
         return None
-    dim, shard = spec
-    unit = full_shape[dim] // shard.total
-    if unit * shard.total != full_shape[dim]:
-        raise ValueError(f"checkpoint dimension {dim} of size {full_shape[dim]} does not split into {shard.total} "
-                         f"units")
-    return dim, shard.start * unit, (shard.start + shard.num_valid) * unit
+    dim, shard, blocks = (*spec, 1) if len(spec) == 2 else spec
+    return dim, shard_ranges(shard, full_shape[dim], blocks)
+
+
+def shard_ranges(shard: Shard, size: int, blocks: int = 1) -> list[tuple[int, int]]:
+    """Element ranges of `shard` in a dimension of `size` made of `blocks` equal blocks of shard.total units."""
+    unit = size // (shard.total * blocks)
+    if unit * shard.total * blocks != size:
+        raise ValueError(f"a checkpoint dimension of size {size} does not split into {blocks} x {shard.total} units")
+    block = shard.total * unit
+    return [(b * block + shard.start * unit, b * block + (shard.start + shard.num_valid) * unit) for b in range(blocks)]

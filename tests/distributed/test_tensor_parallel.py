@@ -123,3 +123,30 @@ def test_traces_and_edits_equal_tp1_and_transformers(engines):
     for proj in ("q_proj", "k_proj", "v_proj"):
         assert relative_error(saves[f"model.layers.0.self_attn.{proj}"], captured[proj]) <= TOLERANCE
     assert relative_error(saves["logits"], reference["logits"]) <= TOLERANCE
+
+
+def test_mixture_of_experts_equals_tp1(tiny_model_factory, tmp_path):
+    """Experts sharded by intermediate columns (the fused 3D layout in layer 0, per-expert tensors in layer
+    1), a sharded shared expert, the router whole: generation and the MoE sites equal TP=1."""
+    from tests.models.helpers import write_fused_expert_layout
+    model = str(tmp_path / "qwen2-moe")
+    write_fused_expert_layout(tiny_model_factory("qwen2-moe", num_hidden_layers=2), model, layers=[0])
+    tp1 = LLM(model, **ENGINE)
+    tp2 = LLM(model, tensor_parallel_size=2, **ENGINE)
+    try:
+        sites = [f"model.layers.{i}.mlp.{s}" for i in (0, 1)
+                 for s in ("experts", "gate", "routing", "shared_expert.up_proj", "shared_expert")]
+        ops = [Save(site=s, name=s) for s in sites] + [Save(site="model.layers.1.mlp.shared_expert.down_proj",
+                                                            point="input", name="shared.down_proj.input")]
+        prompts = random_prompts(13, [15, 30, 4], vocab=500)
+        for params in (SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=8, ignore_eos=True)):
+            extras = [{"trace": TracePlan(ops)}] * len(prompts)
+            ref = tp1.generate(prompts, params, use_tqdm=False, extras=extras)
+            out = tp2.generate(prompts, params, use_tqdm=False, extras=extras)
+            for r, o in zip(ref, out):
+                assert o.outputs[0].token_ids == r.outputs[0].token_ids
+                for key, value in r.extras["saves"].items():
+                    assert relative_error(o.extras["saves"][key], value) <= TOLERANCE, key
+    finally:
+        tp2.shutdown()
