@@ -1,6 +1,7 @@
-"""AsyncLLM, the OpenAI server, FlashHead and extraction at TP=2 on the CPU (gloo): one AsyncLLM whose
-FlashHead is sharded over the ranks serves streams and HTTP requests as TP=1 does, and an extraction job
-on it writes each sample once, equal to transformers."""
+"""AsyncLLM, the OpenAI server, FlashHead, async scheduling and extraction at TP=2 on the CPU (gloo): one
+AsyncLLM whose FlashHead is sharded over the ranks and whose steps are launched ahead of their read-back
+serves streams and HTTP requests as TP=1 does, and an extraction job on it writes each sample once, equal
+to transformers."""
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,8 @@ def model_dir(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tp2(model_dir):
-    engine = AsyncLLM(model_dir, tensor_parallel_size=2, **ENGINE)
+    # Stepping ahead (the GPU default): every rank feeds the previous step's tokens, rank 0's, on the device.
+    engine = AsyncLLM(model_dir, tensor_parallel_size=2, async_scheduling=True, **ENGINE)
     yield engine
     engine.shutdown()
 
@@ -45,8 +47,9 @@ async def _final(engine: AsyncLLM, prompt, params: SamplingParams):
 
 
 def test_async_llm_and_server_equal_tp1_with_a_sharded_flashhead(model_dir, tp2):
-    """Streams (greedy and seeded, with 4 of 32 clusters probed) and HTTP completions equal TP=1's."""
-    tp1 = LLM(model_dir, **ENGINE)
+    """Streams (greedy and seeded, with 4 of 32 clusters probed) and HTTP completions equal TP=1's
+    (stepping serially); the TP=2 engine stepped ahead of its read-backs."""
+    tp1 = LLM(model_dir, async_scheduling=False, **ENGINE)
     prompts = random_prompts(5, [9, 30, 4, 17], vocab=500)
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True)]
@@ -56,6 +59,7 @@ def test_async_llm_and_server_equal_tp1_with_a_sharded_flashhead(model_dir, tp2)
         async def run() -> list:
             return await asyncio.gather(*(_final(tp2, prompt, p) for prompt in prompts))
         assert [o.outputs[0].token_ids for o in asyncio.run(run())] == expected
+    assert tp2.get_stats().num_steps_ahead > 0
 
     server = start_server(tp2)
     try:
