@@ -38,8 +38,7 @@ import torch.distributed as dist
 import zmq
 
 from pellucid.config import EngineConfig
-from pellucid.distributed.parallel_state import (TensorParallelStartupError, destroy_tensor_parallel,
-                                                 init_tensor_parallel)
+from pellucid.distributed.parallel_state import TensorParallel, TensorParallelStartupError, init_tensor_parallel
 from pellucid.distributed.step_sync import StepEncoder
 from pellucid.engine.scheduler_output import SchedulerOutput
 from pellucid.logger import get_logger
@@ -111,6 +110,7 @@ class WorkerGroup:
         self._lock = threading.Lock()
         self._closing = False
         self._procs: dict[int, subprocess.Popen] = {}
+        self.tp: TensorParallel | None = None
         self._dir: str | None = None
         self._context = zmq.Context()
         self._replies = self._context.socket(zmq.PULL)
@@ -241,10 +241,13 @@ class WorkerGroup:
             self.dead_reason = reason
         logger.error("%s; the engine stops", reason)
         self.on_fatal(reason)
+        if self.tp is not None:
+            self.tp.abort()      # a step stuck in a collective with the dead rank raises now (start-up)
 
     # ---- shutdown -------------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Tell the workers to stop, wait for them (terminating stragglers), release the group and sockets."""
+        """Tell the workers to stop, wait for the ones this process started (terminating stragglers), close
+        the channels."""
         if self._closing:
             return
         self._closing = True
@@ -265,9 +268,11 @@ class WorkerGroup:
                 proc.stdin.close()
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=2.0)
-        destroy_tensor_parallel()
-        for sock in [*self._steps, self._replies]:
-            sock.close(linger=0)
+        # The process group is left to the process's exit, which follows: tearing NCCL down after graph
+        # captures can hang (pytorch issue 115388), and nothing here needs it released first.
+        for sock in self._steps:      # delivers the Stop still queued (workers torchrun started are not waited for)
+            sock.close(linger=2000 if self.dead_reason is None else 0)
+        self._replies.close(linger=0)
         self._context.term()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -140,6 +140,15 @@ class TensorParallel:
             part = torch.cat([part, part.new_zeros(pad)], dim=dim)
         return part.contiguous()
 
+    def abort(self) -> None:
+        """Make collectives waiting on a dead peer raise: NCCL's would wait for ever (gloo's raise by themselves)."""
+        if dist.get_backend(self.group) != "nccl":
+            return
+        try:
+            dist.distributed_c10d._abort_process_group(self.group)     # torch's communicator abort
+        except Exception:          # an older torch without it: the engine process exits instead
+            logger.debug("aborting the NCCL communicator failed", exc_info=True)
+
     # ---- host values (start-up) -----------------------------------------------------------------------
     def all_gather_object(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
@@ -201,14 +210,3 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
     _TP.all_reduce(torch.zeros(1, device=device))
     logger.info("tensor-parallel rank %d of %d on %s (%s, pid %d)", rank, size, device, backend, os.getpid())
     return _TP
-
-
-def destroy_tensor_parallel() -> None:
-    global _TP
-    if _TP is None:
-        return
-    _TP = None
-    try:
-        dist.destroy_process_group()
-    except Exception:      # a peer already gone: nothing left to release in order
-        pass

@@ -72,6 +72,7 @@ class EngineInfo:
     attention_backend: str
     cuda_graphs: bool
     lm_head: dict[str, Any]
+    tensor_parallel_size: int = 1
     # The traceable sites (pellucid.tracing.sites.SiteTable). In the engine's own process it is probed on
     # first use (a tiny forward); an engine in another process probes it before publishing its info.
     site_table_loader: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
@@ -90,7 +91,8 @@ class EngineInfo:
         return {"prefix_caching": self.enable_prefix_caching, "chunked_prefill": self.enable_chunked_prefill,
                 "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "async_scheduling": self.async_scheduling, "attention_backend": self.attention_backend,
-                "cuda_graphs": self.cuda_graphs, "lm_head": self.lm_head}
+                "cuda_graphs": self.cuda_graphs, "lm_head": self.lm_head,
+                "tensor_parallel_size": self.tensor_parallel_size}
 
 
 class EngineCore:
@@ -182,7 +184,7 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens, enable_chunked_prefill=sc.enable_chunked_prefill,
             enable_prefix_caching=bool(config.cache.enable_prefix_caching), async_scheduling=self.async_scheduling,
             attention_backend=self.runner.backend.name, cuda_graphs=self.runner.cuda_graphs is not None,
-            lm_head=self.runner.head.describe())
+            lm_head=self.runner.head.describe(), tensor_parallel_size=config.parallel.tensor_parallel_size)
         if probe_sites:
             info._site_table = site_table(self.runner)
         else:
