@@ -26,7 +26,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -42,7 +41,7 @@ from pellucid.distributed.parallel_state import TensorParallel, TensorParallelSt
 from pellucid.distributed.step_sync import StepEncoder
 from pellucid.engine.scheduler_output import SchedulerOutput
 from pellucid.logger import get_logger
-from pellucid.process_exit import describe_exit
+from pellucid.child_process import describe_exit, start_child
 from pellucid.runner.model_runner import LaunchedStep, ModelRunner
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.runner.rank import RankSetup, build_rank
@@ -146,8 +145,9 @@ class WorkerGroup:
             sock.bind(address)
             self._steps.append(sock)
             worker_device = str(rank_device(device, rank, self.size))
-            self._procs[rank] = _spawn(WorkerSettings(config, rank, self.size, worker_device, init_method, address,
-                                                      reply_address, get_logger().getEffectiveLevel(), threads))
+            settings = WorkerSettings(config, rank, self.size, worker_device, init_method, address, reply_address,
+                                      get_logger().getEffectiveLevel(), threads)
+            self._procs[rank] = start_child("pellucid.distributed.worker", settings)
         self._wait_started()
         if device.type == "cpu":
             torch.set_num_threads(threads)
@@ -326,17 +326,6 @@ def start_driver_rank(config: EngineConfig, device: torch.device) -> RankSetup:
         reason = workers.failure(exc).args[0] if not isinstance(exc, TensorParallelFailure) else exc.args[0]
         workers.shutdown(timeout=5.0)
         raise TensorParallelStartupError(f"tensor-parallel start-up failed: {reason}") from exc
-
-
-def _spawn(settings: WorkerSettings) -> subprocess.Popen:
-    # The child imports the same Pellucid as this process, wherever it was imported from (as core_proc does).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", "pellucid.distributed.worker"], stdin=subprocess.PIPE, env=env)
-    assert proc.stdin is not None
-    pickle.dump(settings, proc.stdin)
-    proc.stdin.flush()
-    return proc
 
 
 def _bind_host(host: str) -> str:

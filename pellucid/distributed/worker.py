@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-import threading
 import traceback
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from pellucid.child_process import exit_now, exit_when_parent_is_gone
 from pellucid.config import EngineConfig, resolve_device
 from pellucid.distributed.driver import Stop, WorkerSettings, rank_device
 from pellucid.distributed.parallel_state import init_tensor_parallel
@@ -89,7 +89,8 @@ def main() -> None:
     settings: WorkerSettings = pickle.load(sys.stdin.buffer)
     get_logger().setLevel(settings.log_level)
     torch.set_num_threads(settings.torch_threads)
-    _exit_when_engine_is_gone(sys.stdin.buffer, settings.rank)
+    exit_when_parent_is_gone(sys.stdin.buffer, lambda: logger.debug(
+        "tensor-parallel rank %d: the engine process is gone; exiting", settings.rank))
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the process group: the engine decides
     context = zmq.Context()
@@ -138,26 +139,8 @@ def _report_failure(worker: Worker, exc: BaseException) -> None:
 
 
 def _exit(context: zmq.Context, sockets: list[zmq.Socket], code: int) -> None:
-    """Deliver the last report, then leave at once (no interpreter teardown: a collective or the stdin
-    watcher may still hold a thread)."""
-    for sock in sockets:
-        sock.close(linger=2000)
-    context.term()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _exit_when_engine_is_gone(pipe: Any, rank: int) -> None:
-    def watch() -> None:
-        try:
-            while pipe.read(4096):
-                pass
-        except OSError:
-            pass
-        logger.debug("tensor-parallel rank %d: the engine process is gone; exiting", rank)
-        os._exit(1)
-    threading.Thread(target=watch, name="pellucid-engine-watch", daemon=True).start()
+    """Deliver the last report, then leave at once (a collective may still hold a thread)."""
+    exit_now(context, sockets, code, linger_ms=2000)
 
 
 if __name__ == "__main__":

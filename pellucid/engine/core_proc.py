@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import os
 import pickle
 import queue
 import shutil
@@ -39,7 +38,7 @@ from pellucid.engine.core_client import BackgroundClient, EngineStartupError
 from pellucid.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInput, EngineStats, Shutdown
 from pellucid.engine.serial import MessageDecoder, MessageEncoder
 from pellucid.logger import get_logger
-from pellucid.process_exit import describe_exit
+from pellucid.child_process import describe_exit, exit_now, exit_when_parent_is_gone, start_child
 
 logger = get_logger(__name__)
 
@@ -104,14 +103,8 @@ def freeze_startup_heap() -> None:
 
 
 def _exit(context: zmq.Context, sockets: list[zmq.Socket], code: int) -> None:
-    """Deliver what is still queued for the frontend, then leave at once: no interpreter teardown, in
-    which the thread still blocked on stdin would make the exit fail."""
-    for sock in sockets:
-        sock.close(linger=5000)
-    context.term()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Deliver what is still queued for the frontend, then leave at once."""
+    exit_now(context, sockets, code, linger_ms=5000)
 
 
 def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.Event, context: zmq.Context) -> int:
@@ -170,15 +163,7 @@ def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.E
 
 def _exit_when_frontend_is_gone(pipe: Any) -> None:
     """End this process as soon as its stdin (a pipe held only by the frontend) reaches end-of-file."""
-    def watch() -> None:
-        try:
-            while pipe.read(4096):
-                pass
-        except OSError:
-            pass
-        logger.error("the frontend process is gone; the engine core exits")
-        os._exit(1)
-    threading.Thread(target=watch, name="pellucid-frontend-watch", daemon=True).start()
+    exit_when_parent_is_gone(pipe, lambda: logger.error("the frontend process is gone; the engine core exits"))
 
 
 # ---- the frontend's side ----------------------------------------------------------------------------
@@ -302,18 +287,7 @@ class MPClient(BackgroundClient):
 
 
 def _start_process(settings: StartupSettings) -> subprocess.Popen:
-    # The child imports the same Pellucid as this process, wherever it was imported from.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    # OpenMP threads that spin while they wait take the cores the engine's own threads (sockets, output
-    # encoding) and the frontend's process need: on a 2-core machine a CPU engine streaming 128 requests
-    # ran at 424 output tok/s spinning and 13,557 waiting passively (the same engine in one process:
-    # 13,606). A GPU engine runs few CPU kernels, so passive waiting costs it nothing.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", "pellucid.engine.core_proc"], stdin=subprocess.PIPE, env=env)
-    assert proc.stdin is not None
-    pickle.dump(settings, proc.stdin)
-    proc.stdin.flush()
-    return proc
+    return start_child("pellucid.engine.core_proc", settings)
 
 
 def _exit_description(code: int) -> str:

@@ -15,23 +15,15 @@ import pytest
 from pellucid import LLM, SamplingParams
 from pellucid.bench.serve import child_pids
 from pellucid.engine.core_client import EngineDeadError, EngineStartupError
-from tests.server.server_harness import REPO_ROOT, free_port
+from tests.server.server_harness import REPO_ROOT, alive, free_port
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pids: list[int], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"processes still alive: {[p for p in pids if _alive(p)]}"
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"processes still alive: {[p for p in pids if alive(p)]}"
         time.sleep(0.05)
 
 
