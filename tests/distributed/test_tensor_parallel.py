@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pellucid import LLM, SamplingParams
-from pellucid.tracing import Add, Save, Scale, TracePlan
+from pellucid.tracing import Add, Apply, Save, Scale, TracePlan
 from tests.reference import hf_forward, random_prompts, relative_error
 
 TOLERANCE = 1e-4
@@ -91,9 +91,17 @@ def _edits(hidden: int, heads_dim: int, intermediate: int, seed: int) -> list:
                 positions={"start": 2})]
 
 
+def _fail_on_generated_rows(rows: torch.Tensor) -> torch.Tensor:
+    """An `apply` function (module-level: the ops travel to the workers) that fails on a decode step."""
+    if rows.shape[0] == 1:
+        raise RuntimeError("generated rows are refused")
+    return rows * 1.5
+
+
 def test_traces_and_edits_equal_tp1_and_transformers(engines):
     """Saved values of sharded sites are the full tensors (gathered), equal to TP=1 and, for the q/k/v
-    projections, to transformers' modules; edits of sharded sites change generation exactly as at TP=1."""
+    projections, to transformers' modules; edits of sharded sites change generation exactly as at TP=1; a
+    failing function fails its own request only."""
     name, model_dir, tp1, tp2 = engines
     cfg = tp1.info
     hf = _hf(model_dir)
@@ -101,12 +109,15 @@ def test_traces_and_edits_equal_tp1_and_transformers(engines):
     ops = _trace_ops(2, qk_norm)
     heads_dim = hf.config.num_attention_heads * hf.config.head_dim
     edits = _edits(cfg.hidden_size, heads_dim, hf.config.intermediate_size, seed=1)
-    prompts = random_prompts(11, [19, 6], vocab=500)
+    prompts = random_prompts(11, [19, 6, 8], vocab=500)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    extras = [{"trace": TracePlan(ops)}, {"trace": TracePlan(ops + edits)}]
+    # The third request's function fails at a sharded site, on every rank: that request fails alone.
+    failing = [Apply(site="model.layers.1.self_attn.k_proj", fn=_fail_on_generated_rows)]
+    extras = [{"trace": TracePlan(ops)}, {"trace": TracePlan(ops + edits)}, {"trace": TracePlan(failing)}]
     ref = tp1.generate(prompts, params, use_tqdm=False, extras=extras)
     out = tp2.generate(prompts, params, use_tqdm=False, extras=extras)
-    for r, o in zip(ref, out):
+    assert "generated rows are refused" in out[2].error and ref[2].error == out[2].error
+    for r, o in zip(ref[:2], out[:2]):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         assert set(o.extras["saves"]) == set(r.extras["saves"])
         for key, value in r.extras["saves"].items():
