@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from pellucid.child_process import describe_exit, start_child
 from pellucid.config import EngineConfig
 from pellucid.distributed.parallel_state import TensorParallel, TensorParallelStartupError, init_tensor_parallel
 from pellucid.distributed.step_sync import StepEncoder
 from pellucid.engine.scheduler_output import SchedulerOutput
 from pellucid.logger import get_logger
-from pellucid.child_process import describe_exit, start_child
 from pellucid.runner.model_runner import LaunchedStep, ModelRunner
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.runner.rank import RankSetup, build_rank
@@ -103,8 +103,8 @@ class WorkerGroup:
         self.size = config.parallel.tensor_parallel_size
         self.backend = executor_backend(config)
         self.dead_reason: str | None = None
-        # Called from the watchdog thread with the reason once the workers cannot go on (set by the process
-        # hosting the engine core); until then the reason is raised by the next step.
+        # Called from the watchdog thread with the reason once the workers cannot go on (set_fatal_handler, by
+        # the process hosting the engine core); until then the reason is raised by the next step.
         self.on_fatal: Callable[[str], None] = lambda reason: None
         self._lock = threading.Lock()
         self._closing = False
@@ -234,13 +234,22 @@ class WorkerGroup:
             if self.dead_reason is not None:
                 return
 
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        """`handler(reason)` from the watchdog once the workers cannot go on; at once if that already happened."""
+        with self._lock:
+            self.on_fatal = handler
+            reason = self.dead_reason
+        if reason is not None:
+            handler(reason)
+
     def _fail(self, reason: str) -> None:
         with self._lock:
             if self.dead_reason is not None or self._closing:
                 return
             self.dead_reason = reason
+            on_fatal = self.on_fatal
         logger.error("%s; the engine stops", reason)
-        self.on_fatal(reason)
+        on_fatal(reason)
         if self.tp is not None:
             self.tp.abort()      # a step stuck in a collective with the dead rank raises now (start-up)
 
@@ -305,7 +314,7 @@ class DriverRunner(ModelRunner):
         self.encoder.forget(request_ids)
 
     def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
-        self.workers.on_fatal = handler
+        self.workers.set_fatal_handler(handler)
 
     def shutdown(self) -> None:
         self.workers.shutdown()

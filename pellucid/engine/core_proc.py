@@ -116,9 +116,12 @@ def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.E
     def read_inputs() -> None:
         decoder = MessageDecoder(EngineInput)
         while not stop.is_set():
-            if not inputs.poll(_POLL_MS):
-                continue
-            frames = inputs.recv_multipart(copy=False)
+            try:
+                if not inputs.poll(_POLL_MS):
+                    continue
+                frames = inputs.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return          # closed by die(): the process is exiting
             try:
                 message = decoder.decode(frames)
                 if isinstance(message, EngineCoreRequest):
