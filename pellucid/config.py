@@ -78,6 +78,23 @@ class RunnerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # Shard the model over this many ranks (one GPU each; processes on the CPU), Megatron-style.
+    tensor_parallel_size: int = 1
+    # How ranks 1..N-1 start: "mp" (the engine starts a worker process per rank on this machine) or "env"
+    # (a launcher started every rank and set torch.distributed's env:// variables: torchrun, across
+    # machines too). None: "env" when WORLD_SIZE is set in the environment, else "mp".
+    distributed_executor_backend: str | None = None
+
+    def validate(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in (None, "mp", "env"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'env', got "
+                             f"{self.distributed_executor_backend!r}")
+
+
+@dataclass
 class HeadConfig:
     name: str = "dense"                 # "dense" | "flashhead" | a plugin from the pellucid.heads entry points
     options: dict[str, Any] = field(default_factory=dict)
@@ -90,13 +107,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments named as vLLM names them (max_model_len, max_num_seqs, ...)."""
         head = kwargs.pop("head", "dense")
         head_options = kwargs.pop("head_options", None) or {}
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
+                    "parallel": ParallelConfig}
         values: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in kwargs.items():
             owner = next((name for name, klass in sections.items()
@@ -108,4 +127,5 @@ class EngineConfig:
                    cache=CacheConfig(**values["cache"]),
                    scheduler=SchedulerConfig(**values["scheduler"]),
                    runner=RunnerConfig(**values["runner"]),
-                   head=HeadConfig(name=head, options=dict(head_options)))
+                   head=HeadConfig(name=head, options=dict(head_options)),
+                   parallel=ParallelConfig(**values["parallel"]))

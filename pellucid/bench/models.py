@@ -2,8 +2,8 @@
 
 Weights are drawn straight into safetensors files (on the GPU when there is one, a layer at a time),
 never through a transformers model object, so an 8B checkpoint takes seconds rather than minutes.
-Shapes in DRAWN_AT_LOAD (Qwen3-30B-A3B: 61 GB of bf16 weights, more than the GPU machines' disks hold
-comfortably) get no weight files: the directory's pellucid_random_weights.json makes the loader draw them
+Shapes in DRAWN_AT_LOAD (Qwen3-30B-A3B: 61 GB of bf16 weights, Llama-3.1-70B: 141 GB, more than the GPU
+machines' disks hold comfortably) get no weight files: the directory's pellucid_random_weights.json makes the loader draw them
 on the device (pellucid.models.loader); transformers cannot read such a directory.
 The tokenizer covers the model's whole vocabulary with one word per id (` t1234`), so every token a
 random model samples decodes to text at once: a streamed response carries one chunk per token, and
@@ -37,6 +37,12 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                          head_dim=128, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072,
                          rms_norm_eps=1e-5, hidden_act="silu",
                          rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
+    # 141 GB of bf16 weights: drawn at load, each tensor-parallel rank its own shard (tensor_parallel_size 4+).
+    "Llama-3.1-70B": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=8192,
+                          intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                          head_dim=128, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072,
+                          rms_norm_eps=1e-5, hidden_act="silu",
+                          rope_scaling=dict(_LLAMA3_ROPE, factor=8.0)),
     # 128 experts, 8 per token, every layer sparse; 3.3B parameters read per token (30.5B in all).
     "Qwen3-30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
                           hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
@@ -45,7 +51,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                           tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
                           rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu"),
 }
-DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B"})
+DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B", "Llama-3.1-70B"})
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -28,6 +28,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine core in its own process (default: yes for `serve`, no for offline "
                         "commands); --no-engine-process keeps it in this process, e.g. to debug it")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many GPUs (processes on the CPU); the engine starts a worker "
+                        "process per extra rank, or joins ranks a launcher started (torchrun)")
+    g.add_argument("--distributed-executor-backend", choices=("mp", "env"), default=None,
+                   help="mp: worker processes on this machine; env: ranks started by torchrun (env:// "
+                        "rendezvous, any number of machines). Default: env under torchrun, else mp")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
     g.add_argument("--head", default="dense", help="LM head: dense, flashhead, or a plugin name")
@@ -45,4 +51,5 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 async_scheduling=args.async_scheduling, engine_process=args.engine_process,
                 attention_backend=args.attention_backend, seed=args.seed,
-                head=args.head, head_options=args.head_options)
+                head=args.head, head_options=args.head_options, tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -102,6 +103,17 @@ def make_client(config: EngineConfig, asynchronous: bool) -> EngineCoreClient:
     """The client a frontend gets: `config.runner.engine_process` (None: a process for asyncio frontends,
     in-process for synchronous ones)."""
     in_process = config.runner.engine_process is False or (config.runner.engine_process is None and not asynchronous)
+    if config.parallel.tensor_parallel_size > 1:
+        config.parallel.validate()
+        from pellucid.distributed.driver import executor_backend
+        if executor_backend(config) == "env" and int(os.environ.get("RANK", "0")) != 0:
+            # torchrun started this process as another rank: it serves rank 0's engine and exits with it.
+            from pellucid.distributed.worker import serve_launched_rank
+            serve_launched_rank(config)
+        if config.runner.engine_process is False:
+            raise ValueError("with tensor_parallel_size > 1 the engine core runs in its own process (rank 0 of the "
+                             "tensor-parallel group); engine_process=False is not supported")
+        in_process = False
     if not in_process:
         from pellucid.engine.core_proc import MPClient
         return MPClient(config)

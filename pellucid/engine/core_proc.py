@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import os
 import pickle
 import queue
 import shutil
@@ -39,6 +38,7 @@ from pellucid.engine.core_client import BackgroundClient, EngineStartupError
 from pellucid.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInput, EngineStats, Shutdown
 from pellucid.engine.serial import MessageDecoder, MessageEncoder
 from pellucid.logger import get_logger
+from pellucid.child_process import describe_exit, exit_now, exit_when_parent_is_gone, start_child
 
 logger = get_logger(__name__)
 
@@ -89,7 +89,8 @@ def main() -> None:
         _exit(context, [inputs, outputs], 1)
     outputs.send_multipart(encoder.encode(_Startup(info=pickle.dumps(info), stats=core.stats())), copy=False)
     freeze_startup_heap()
-    code = _serve(core, inputs, outputs, stop)
+    code = _serve(core, inputs, outputs, stop, context)
+    core.shutdown()
     _exit(context, [inputs, outputs], code)
 
 
@@ -102,17 +103,11 @@ def freeze_startup_heap() -> None:
 
 
 def _exit(context: zmq.Context, sockets: list[zmq.Socket], code: int) -> None:
-    """Deliver what is still queued for the frontend, then leave at once: no interpreter teardown, in
-    which the thread still blocked on stdin would make the exit fail."""
-    for sock in sockets:
-        sock.close(linger=5000)
-    context.term()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Deliver what is still queued for the frontend, then leave at once."""
+    exit_now(context, sockets, code, linger_ms=5000)
 
 
-def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.Event) -> int:
+def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.Event, context: zmq.Context) -> int:
     from pellucid.engine.core_loop import EngineCoreLoop
 
     input_queue: queue.Queue[Any] = queue.Queue()
@@ -121,9 +116,12 @@ def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.E
     def read_inputs() -> None:
         decoder = MessageDecoder(EngineInput)
         while not stop.is_set():
-            if not inputs.poll(_POLL_MS):
-                continue
-            frames = inputs.recv_multipart(copy=False)
+            try:
+                if not inputs.poll(_POLL_MS):
+                    continue
+                frames = inputs.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return          # closed by die(): the process is exiting
             try:
                 message = decoder.decode(frames)
                 if isinstance(message, EngineCoreRequest):
@@ -142,6 +140,16 @@ def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.E
     sender = threading.Thread(target=send_outputs, name="pellucid-engine-outputs", daemon=True)
     reader.start()
     sender.start()
+
+    def die(reason: str) -> None:
+        """The engine cannot go on (a tensor-parallel worker died; called from its watchdog thread, while
+        the loop may be stuck in a collective): the frontend learns why, then this process ends (and with
+        it, through their stdin, the other workers)."""
+        output_queue.put(EngineCoreOutputs(engine_error=reason))
+        output_queue.put(None)
+        sender.join(timeout=10.0)
+        _exit(context, [inputs, outputs], 1)
+    core.set_fatal_handler(die)
     code = 0
     try:
         EngineCoreLoop(core, input_queue, output_queue.put).run()
@@ -158,15 +166,7 @@ def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.E
 
 def _exit_when_frontend_is_gone(pipe: Any) -> None:
     """End this process as soon as its stdin (a pipe held only by the frontend) reaches end-of-file."""
-    def watch() -> None:
-        try:
-            while pipe.read(4096):
-                pass
-        except OSError:
-            pass
-        logger.error("the frontend process is gone; the engine core exits")
-        os._exit(1)
-    threading.Thread(target=watch, name="pellucid-frontend-watch", daemon=True).start()
+    exit_when_parent_is_gone(pipe, lambda: logger.error("the frontend process is gone; the engine core exits"))
 
 
 # ---- the frontend's side ----------------------------------------------------------------------------
@@ -290,28 +290,11 @@ class MPClient(BackgroundClient):
 
 
 def _start_process(settings: StartupSettings) -> subprocess.Popen:
-    # The child imports the same Pellucid as this process, wherever it was imported from.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    # OpenMP threads that spin while they wait take the cores the engine's own threads (sockets, output
-    # encoding) and the frontend's process need: on a 2-core machine a CPU engine streaming 128 requests
-    # ran at 424 output tok/s spinning and 13,557 waiting passively (the same engine in one process:
-    # 13,606). A GPU engine runs few CPU kernels, so passive waiting costs it nothing.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", "pellucid.engine.core_proc"], stdin=subprocess.PIPE, env=env)
-    assert proc.stdin is not None
-    pickle.dump(settings, proc.stdin)
-    proc.stdin.flush()
-    return proc
+    return start_child("pellucid.engine.core_proc", settings)
 
 
 def _exit_description(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"the engine process was killed by {name}"
-    return f"the engine process exited with code {code}"
+    return f"the engine process {describe_exit(code)}"
 
 
 # Engine processes still running when this interpreter exits are shut down (the pipe would end them too,

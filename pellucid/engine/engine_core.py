@@ -6,7 +6,6 @@ their own process or in the engine-core process (core_proc.py), with the message
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import time
@@ -18,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 import pellucid
-from pellucid.config import EngineConfig, resolve_device, resolve_dtype
+from pellucid.config import EngineConfig, resolve_device
 from pellucid.engine.block_pool import BlockPool
 from pellucid.engine.features import ActiveFeatures, still_unfinished
 from pellucid.engine.kv_cache_manager import KVCacheManager
@@ -27,9 +26,10 @@ from pellucid.engine.request import Request, RequestStatus
 from pellucid.engine.scheduler import Scheduler
 from pellucid.engine.scheduler_output import SchedulerOutput
 from pellucid.logger import get_logger
-from pellucid.models.loader import load_model, read_eos_token_ids
-from pellucid.runner.model_runner import LaunchedStep, ModelRunner
+from pellucid.models.loader import read_eos_token_ids
+from pellucid.runner.model_runner import LaunchedStep
 from pellucid.runner.output import ModelRunnerOutput
+from pellucid.runner.rank import start_rank
 
 logger = get_logger(__name__)
 
@@ -72,6 +72,7 @@ class EngineInfo:
     attention_backend: str
     cuda_graphs: bool
     lm_head: dict[str, Any]
+    tensor_parallel_size: int = 1
     # The traceable sites (pellucid.tracing.sites.SiteTable). In the engine's own process it is probed on
     # first use (a tiny forward); an engine in another process probes it before publishing its info.
     site_table_loader: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
@@ -90,7 +91,8 @@ class EngineInfo:
         return {"prefix_caching": self.enable_prefix_caching, "chunked_prefill": self.enable_chunked_prefill,
                 "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "async_scheduling": self.async_scheduling, "attention_backend": self.attention_backend,
-                "cuda_graphs": self.cuda_graphs, "lm_head": self.lm_head}
+                "cuda_graphs": self.cuda_graphs, "lm_head": self.lm_head,
+                "tensor_parallel_size": self.tensor_parallel_size}
 
 
 class EngineCore:
@@ -101,22 +103,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
-        self.device = torch.device(resolve_device(config.runner.device))
         torch.manual_seed(mc.seed)
-        dtype = resolve_dtype(mc.dtype, str(self.device), _config_dtype(mc.model))
-        self.model, self.hf_config = load_model(mc.model, dtype, self.device, mc.max_model_len)
-        self.dtype = next(self.model.parameters()).dtype
+        # The model, its runner and KV cache; under tensor parallelism rank 0's shard of them, whose runner
+        # sends every step to the worker processes of the other ranks (pellucid/distributed).
+        rank = start_rank(config, torch.device(resolve_device(config.runner.device)))
+        self.device, self.model, self.hf_config, self.dtype = rank.device, rank.model, rank.hf_config, rank.dtype
+        self.max_model_len, self.runner, self.num_blocks = rank.max_model_len, rank.runner, rank.num_blocks
         self.model_name = mc.served_model_name or mc.model
-        self.max_model_len = self._max_model_len()
         sc = config.scheduler
-        if sc.max_num_batched_tokens is None:
-            sc.max_num_batched_tokens = min(max(2048, self.max_model_len), 8192) if sc.enable_chunked_prefill \
-                else self.max_model_len
         self.eos_token_ids = _eos_token_ids(mc.model, mc.tokenizer or mc.model, self.hf_config)
-        self.runner = ModelRunner(config, self.model, self.hf_config, self.device, self.dtype,
-                                  self.max_model_len, sc.max_num_batched_tokens)
-        self.num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks)
         self._resolve_prefix_caching()
         self.block_pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -173,17 +168,6 @@ class EngineCore:
         cache.enable_prefix_caching = supported and asked is not False
     # ---- prefix caching vs hybrid models (end) ---------------------------------------------------
 
-    def _max_model_len(self) -> int:
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
-        asked = self.config.model.max_model_len
-        if asked is None:
-            if limit is None:
-                raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
-            return int(limit)
-        if limit is not None and asked > limit:
-            raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}")
-        return asked
-
     def info(self, probe_sites: bool = False) -> EngineInfo:
         """The engine's published facts; `probe_sites` probes the site table now (for another process)."""
         from pellucid.tracing.sites import site_table
@@ -200,7 +184,7 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens, enable_chunked_prefill=sc.enable_chunked_prefill,
             enable_prefix_caching=bool(config.cache.enable_prefix_caching), async_scheduling=self.async_scheduling,
             attention_backend=self.runner.backend.name, cuda_graphs=self.runner.cuda_graphs is not None,
-            lm_head=self.runner.head.describe())
+            lm_head=self.runner.head.describe(), tensor_parallel_size=config.parallel.tensor_parallel_size)
         if probe_sites:
             info._site_table = site_table(self.runner)
         else:
@@ -478,6 +462,16 @@ class EngineCore:
             num_requests_added=self.num_requests_added, num_requests_refused=self.num_requests_refused,
             lm_head_usage=self.runner.head.usage())
 
+    # ---- processes beside the core (tensor-parallel workers) -----------------------------------------
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        """`handler(reason)` is called from another thread when the engine can no longer run (a
+        tensor-parallel worker died); the process hosting the core reports it and exits."""
+        self.runner.set_fatal_handler(handler)
+
+    def shutdown(self) -> None:
+        """Stop the processes the core started (tensor-parallel workers); the core is unusable after."""
+        self.runner.shutdown()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use (vLLM's reset_prefix_cache); returns how many."""
         return self.block_pool.reset_prefix_cache()
@@ -512,13 +506,3 @@ def _eos_token_ids(model_dir: str, tokenizer_dir: str, hf_config: Any) -> set[in
 def _tokenizer_eos_id(tokenizer_dir: str) -> int | None:
     from pellucid.tokenizer import load_tokenizer
     return load_tokenizer(tokenizer_dir).eos_token_id
-
-
-def _config_dtype(model_dir: str) -> torch.dtype | None:
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-        name = cfg.get("dtype") or cfg.get("torch_dtype")
-    except (OSError, ValueError):
-        return None
-    return getattr(torch, name, None) if isinstance(name, str) else None

@@ -11,7 +11,8 @@ Each feature declares, through one interface, what the engine needs to know of i
   engine holds the request's final report until it is done);
 - what it costs in prefix caching (`prepare` sets the request's read/publish policy);
 - how its outputs are cut when the frontend ends a request early at a stop string (`trim_outputs`);
-- engine-side utilities the frontends may call (`EngineFeature.utilities`).
+- engine-side utilities the frontends may call (`EngineFeature.utilities`);
+- under tensor parallelism, what the model runners of the other ranks need of it (`for_ranks`, `on_rank`).
 
 A feature is one registered `RequestFeature` (its frontend half, shared by everything in a process)
 that makes one `EngineFeature` per engine core (its engine half, with that engine's state). The engine
@@ -81,6 +82,16 @@ class RequestFeature:
         """The request ended at `num_tokens` tokens (prompt + output) although the engine computed more
         (a stop string found by the frontend while later steps were already running): drop from its
         final `outputs` whatever belongs to positions >= num_tokens - 1 (the last token is never fed)."""
+
+    def for_ranks(self, value: Any) -> Any:
+        """Tensor parallelism: what of a prepared request's `extras[key]` the model runners of the other ranks
+        read (it is pickled to their processes), or None (the default) when the runner does not read it."""
+        return None
+
+    def on_rank(self, value: Any, request: "Request", runner: Any) -> Any:
+        """On another tensor-parallel rank: `request.extras[key]` made from for_ranks' `value` for that rank's
+        copy of the request and its `runner`."""
+        return value
 
     def for_engine(self, engine: Any) -> EngineFeature:
         """This feature's half in `engine` (an EngineCore), made once per engine. Keep the parts it needs

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pellucid.distributed.parallel_state import Shard, get_tensor_parallel
 from pellucid.models.layers import linear
 from pellucid.runner.sampling_metadata import SamplerOutput, SamplingMetadata
 
@@ -22,15 +23,22 @@ class LMHead(ABC):
     """
 
     name: str = ""
+    # Whether the head works on a vocabulary-parallel weight (tensor parallelism: `vocab_shard` given).
+    supports_tensor_parallel = False
 
-    def __init__(self, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None,
+                 vocab_shard: Shard | None = None) -> None:
         self.weight = weight          # [vocab, hidden], the model's lm_head weight (tied or not)
         self.options = dict(options)
         self.model_dir = model_dir
+        # Under tensor parallelism `weight` holds this rank's rows `vocab_shard` of the vocabulary (padded to
+        # a multiple of the rank count) and every rank runs the head on the same hidden states.
+        self.vocab_shard = vocab_shard
+        self.tp = get_tensor_parallel() if vocab_shard is not None else None
 
     @property
     def vocab_size(self) -> int:
-        return self.weight.shape[0]
+        return self.vocab_shard.total if self.vocab_shard is not None else self.weight.shape[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Exact full-vocabulary logits, float32, for hidden [R, hidden]."""
@@ -39,7 +47,11 @@ class LMHead(ABC):
     def model_dtype_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits before the float32 cast: the same values in the model's dtype (the sampler casts
         only where it computes on them; greedy argmax does not need to)."""
-        return linear(hidden, self.weight, None)    # decode-sized rows take the skinny GEMM on CUDA
+        logits = linear(hidden, self.weight, None)    # decode-sized rows take the skinny GEMM on CUDA
+        if self.tp is not None:
+            assert self.vocab_shard is not None
+            logits = self.tp.gather_shards(logits, self.vocab_shard)    # every rank's vocabulary rows
+        return logits
 
     @abstractmethod
     def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:

@@ -11,6 +11,7 @@ from pellucid.runner.sampling_metadata import SamplerOutput, SamplingMetadata
 
 class DenseHead(LMHead):
     name = "dense"
+    supports_tensor_parallel = True
 
     def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
         return sampler(self.model_dtype_logits(hidden), sampling)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pellucid.distributed.parallel_state import Shard
 from pellucid.heads.base import LMHead
 from pellucid.heads.dense import DenseHead
 from pellucid.logger import get_logger
@@ -35,10 +36,19 @@ def available_heads() -> list[str]:
     return sorted(_HEADS)
 
 
-def build_head(name: str, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None) -> LMHead:
+def build_head(name: str, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None,
+               vocab_shard: Shard | None = None) -> LMHead:
+    """`vocab_shard`: `weight` holds this tensor-parallel rank's rows of the vocabulary."""
     _load_builtin_and_plugins()
     if name not in _HEADS:
         raise ValueError(f"unknown LM head {name!r}; available: {', '.join(available_heads())}")
-    head = _HEADS[name](weight, options, model_dir)
+    cls = _HEADS[name]
+    if vocab_shard is None:
+        head = cls(weight, options, model_dir)
+    elif not cls.supports_tensor_parallel:
+        raise ValueError(f"the LM head {name!r} does not support tensor parallelism (its class does not declare "
+                         "supports_tensor_parallel); use tensor_parallel_size=1 or another head")
+    else:
+        head = cls(weight, options, model_dir, vocab_shard=vocab_shard)
     logger.info("LM head active: %s", head.describe())
     return head

@@ -20,6 +20,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pellucid.distributed.parallel_state import Shard
+from pellucid.models.parallel_layers import RankSlice, shard_ranges
+
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
 
 
@@ -32,9 +35,11 @@ class ExpertCheckpointNames:
     up: str = "up_proj"
     down: str = "down_proj"
 
-    def target(self, name: str, intermediate_size: int) -> tuple[str, tuple[Any, ...]] | None:
+    def target(self, name: str, intermediate_size: int, shard: Shard | None = None
+               ) -> tuple[str, tuple[Any, ...]] | tuple[str, tuple[Any, ...], RankSlice] | None:
         """(parameter name, index into it) for checkpoint tensor `name`; None when it is the parameter of
-        the same name. ValueError for a per-expert tensor of an unknown projection."""
+        the same name. ValueError for a per-expert tensor of an unknown projection. Under tensor parallelism
+        (`shard` of the intermediate size) a per-expert tensor also names the part of it this rank reads."""
         renamed = name
         for alias in self.block_aliases:
             renamed = renamed.replace(f".{alias}.", ".mlp.")
@@ -42,12 +47,15 @@ class ExpertCheckpointNames:
         if match is None:
             return None if renamed == name else (renamed, ())
         prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+        local = intermediate_size if shard is None else shard.length
+        rows = None if shard is None else (0, shard_ranges(shard, intermediate_size))
         if proj == self.gate:
-            return f"{prefix}.gate_up_proj", (expert, slice(0, intermediate_size))
+            return f"{prefix}.gate_up_proj", (expert, slice(0, local)), *((rows,) if rows else ())
         if proj == self.up:
-            return f"{prefix}.gate_up_proj", (expert, slice(intermediate_size, 2 * intermediate_size))
+            return f"{prefix}.gate_up_proj", (expert, slice(local, 2 * local)), *((rows,) if rows else ())
         if proj == self.down:
-            return f"{prefix}.down_proj", (expert,)
+            columns = None if shard is None else (1, shard_ranges(shard, intermediate_size))
+            return f"{prefix}.down_proj", (expert,), *((columns,) if columns else ())
         raise ValueError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}; this architecture's "
                          f"per-expert tensors are {self.gate}, {self.up} and {self.down} (or the fused "
                          f"experts.gate_up_proj / experts.down_proj)")

@@ -79,6 +79,16 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    # A kernel that computes this layer inside another (a fused SiLU + down projection) passes `local_bias`
+    # and hands its result to `reduce`: a row-parallel layer (parallel_layers.RowParallelLinear) adds its
+    # bias after summing the ranks' partial products instead.
+    @property
+    def local_bias(self) -> torch.Tensor | None:
+        return self.bias
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
 
 class MergedLinear:
     """Several nn.Linear modules reading one input, stored as row blocks of one weight (and bias).
@@ -184,11 +194,17 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         super().__init__()
+        # Under tensor parallelism gate/up hold this rank's columns and down_proj sums the ranks' parts.
+        from pellucid.models.parallel_layers import column_linear, mark_sites, row_linear, unit_shard
         factory = {"dtype": dtype, "device": device}
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, **factory)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, **factory)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **factory)
+        what = "intermediate_size"
+        self.gate_proj = column_linear(hidden_size, intermediate_size, 1, bias, **factory, what=what)
+        self.up_proj = column_linear(hidden_size, intermediate_size, 1, bias, **factory, what=what)
+        self.down_proj = row_linear(intermediate_size, 1, hidden_size, bias, **factory, what=what)
         self.act_fn = nn.SiLU()
+        shard = unit_shard(intermediate_size, what)
+        if shard is not None:
+            mark_sites(self.act_fn, shard, "input", "output")
         self.gate_up = MergedLinear([self.gate_proj, self.up_proj])
 
     def _apply(self, fn: Any, recurse: bool = True) -> "GatedMLP":
@@ -204,7 +220,8 @@ class GatedMLP(nn.Module):
         if (merged and not is_observed(self.act_fn, self.down_proj)
                 and skinny_gemm_applies(x, self.down_proj.weight, "skinny_silu_down", self.down_proj.in_features, True)):
             from pellucid.kernels.skinny_gemm import silu_mul_linear
-            return silu_mul_linear(self.gate_up.merged_output(x), self.down_proj.weight, self.down_proj.bias)
+            down = self.down_proj
+            return down.reduce(silu_mul_linear(self.gate_up.merged_output(x), down.weight, down.local_bias))
         # Otherwise silu(gate) * up can be the epilogue of the gate/up GEMM (skipping `act_fn` only).
         if (merged and not is_observed(self.act_fn)
                 and skinny_gemm_applies(x, self.gate_up.weight, "skinny_gate_up_silu", x.shape[-1])):

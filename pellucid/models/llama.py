@@ -23,8 +23,10 @@ from pellucid.attention.fused_kv_store import FusedKVStore
 from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
 from pellucid.kernels import fused_kernels_enabled
-from pellucid.models.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm,
-                                    is_observed, merged_projections_enabled, qk_norm_rotary, skinny_gemm_applies)
+from pellucid.models.layers import (GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm, is_observed,
+                                    merged_projections_enabled, qk_norm_rotary, skinny_gemm_applies)
+from pellucid.models.parallel_layers import (column_linear, lm_head_linear, mark_sites, row_linear, unit_shard,
+                                             vocab_embedding)
 from pellucid.models.registry import register_model
 
 
@@ -49,13 +51,19 @@ class DecoderAttention(nn.Module):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         hidden = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = hf_config.num_key_value_heads
-        self.head_dim = _head_dim(hf_config)
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=options.qkv_bias, **factory)
-        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=options.qkv_bias, **factory)
-        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=options.qkv_bias, **factory)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=options.o_bias, **factory)
+        num_heads, num_kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        self.head_dim = head_dim = _head_dim(hf_config)
+        # Under tensor parallelism this rank holds num_heads / N query heads and their KV heads (a KV head
+        # serves several ranks when there are fewer than ranks); o_proj sums the ranks' parts.
+        q_what, kv_what = "num_attention_heads", "num_key_value_heads"
+        self.q_proj = column_linear(hidden, num_heads, head_dim, options.qkv_bias, **factory, what=q_what)
+        self.k_proj = column_linear(hidden, num_kv_heads, head_dim, options.qkv_bias, **factory, what=kv_what,
+                                    replicate=True)
+        self.v_proj = column_linear(hidden, num_kv_heads, head_dim, options.qkv_bias, **factory, what=kv_what,
+                                    replicate=True)
+        self.o_proj = row_linear(num_heads, head_dim, hidden, options.o_bias, **factory, what=q_what)
+        self.num_heads = self.q_proj.out_features // head_dim
+        self.num_kv_heads = self.k_proj.out_features // head_dim
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if options.qk_norm:
@@ -63,6 +71,12 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, **factory)
         self.rotary_emb = rotary_emb    # shared by all layers; named_modules() lists it once
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx, self.head_dim ** -0.5)
+        q_shard = unit_shard(num_heads, q_what)
+        if q_shard is not None:
+            mark_sites(self.attn, q_shard, "input", "output")
+            if self.q_norm is not None and self.k_norm is not None:
+                mark_sites(self.q_norm, q_shard, "input", "output")
+                mark_sites(self.k_norm, unit_shard(num_kv_heads, kv_what, replicate=True), "input", "output")
         self.qkv = MergedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def _apply(self, fn: Any, recurse: bool = True) -> "DecoderAttention":
@@ -175,7 +189,7 @@ class DecoderModel(nn.Module):
                  device: torch.device | str, make_mlp: MlpFactory = gated_mlp) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, **factory)
+        self.embed_tokens = vocab_embedding(hf_config.vocab_size, hf_config.hidden_size, **factory)
         self.rotary_emb = RotaryEmbedding(hf_config, max_positions, device)
         self.layers = nn.ModuleList(
             DecoderLayer(hf_config, i, self.rotary_emb, options, **factory, make_mlp=make_mlp)
@@ -205,6 +219,9 @@ class LlamaForCausalLM(nn.Module):
     Positions and attention state come from the forward context (pellucid.attention.metadata).
     """
 
+    # Shards over tensor-parallel ranks (parallel_layers.py); the loader refuses classes that do not.
+    supports_tensor_parallel = True
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: int | None = None) -> None:
         super().__init__()
@@ -214,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(hf_config, self.attention_options(hf_config),
                                   max(max_model_len, hf_config.max_position_embeddings), dtype, device,
                                   make_mlp=self.build_mlp)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = lm_head_linear(hf_config.hidden_size, hf_config.vocab_size, dtype, device)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -240,13 +257,14 @@ class LlamaForCausalLM(nn.Module):
     def num_attention_layers(self) -> int:
         return len(self.model.layers)
 
+    # Per rank under tensor parallelism: the heads of this rank's attention layers and KV cache.
     @property
     def num_attention_heads(self) -> int:
-        return self.config.num_attention_heads
+        return self.model.layers[0].self_attn.num_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @property
     def head_dim(self) -> int:

@@ -15,7 +15,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from pellucid.distributed.parallel_state import tensor_parallel_rank_and_size
 from pellucid.logger import get_logger
+from pellucid.models.parallel_layers import checkpoint_slice
 from pellucid.models.registry import get_model_class
 
 logger = get_logger(__name__)
@@ -45,6 +47,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     if not architectures:
         raise ValueError(f"{os.path.join(model_dir, 'config.json')} names no architecture (`architectures` is empty)")
     model_class = get_model_class(architectures[0])
+    _, tp_size = tensor_parallel_rank_and_size()
+    if tp_size > 1 and not getattr(model_class, "supports_tensor_parallel", False):
+        raise NotImplementedError(f"{architectures[0]} does not support tensor parallelism yet "
+                                  f"(tensor_parallel_size={tp_size}); serve it with tensor_parallel_size=1")
     # Build without allocating or initialising weights; every parameter is then filled from the checkpoint.
     model = model_class(hf_config, dtype=dtype, device="meta", max_model_len=max_model_len)
     model = model.to_empty(device=device)
@@ -65,25 +71,46 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
 def _load_weights(model: nn.Module, model_dir: str) -> None:
     """Fill every parameter from the checkpoint. A model may place a tensor into part of a parameter
     (`checkpoint_target(name) -> (parameter name, index)`, e.g. one expert's slice of a fused expert
-    tensor); a parameter counts as loaded once tensors have filled all of its elements."""
+    tensor); a parameter counts as loaded once tensors have filled all of its elements.
+
+    Under tensor parallelism a sharded parameter (parallel_layers.py `tp_weights`) reads only this rank's
+    slice of its checkpoint tensor from the memory-mapped file; padding rows past the checkpoint's end (a
+    vocabulary padded to a multiple of the rank count) are zero."""
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    modules = dict(model.named_modules())
     tied_lm_head = "lm_head.weight" not in params
     resolve = getattr(model, "checkpoint_target", None)
     filled: dict[str, int] = defaultdict(int)     # parameter name -> elements written
     unexpected: list[str] = []
     with torch.no_grad():
-        for path, name, tensor in _iter_checkpoint(model_dir):
+        for path, name, stored in _iter_checkpoint(model_dir):
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
                 continue
             target = resolve(name) if resolve is not None else None
-            param_name, index = target if target is not None else (name, ())
+            # A target may name the rank's part of the tensor too: (parameter name, index, RankSlice | None).
+            param_name, index, part = (*target, None)[:3] if target is not None else (name, (), None)
             param = params.get(param_name)
             if param is None:
                 unexpected.append(f"{name} (in {os.path.basename(path)})")
                 continue
             dest = param[index] if index else param
+            if not index:
+                module_name, _, attr = param_name.rpartition(".")
+                part = checkpoint_slice(modules[module_name], attr, stored.shape)
+            if part is not None:
+                dim, ranges = part
+                tensor = stored.read_slices(dim, ranges)
+                pad = dest.shape[dim] - tensor.shape[dim]
+                if pad > 0:
+                    dest.narrow(dim, tensor.shape[dim], pad).zero_()
+                    dest = dest.narrow(dim, 0, tensor.shape[dim])
+                    filled[param_name] += param.narrow(dim, 0, pad).numel()
+            else:
+                tensor = stored.read()
             if tuple(tensor.shape) != tuple(dest.shape):
                 where = "" if param_name == name else f" (its part of {param_name!r}, shape {tuple(param.shape)})"
+                if part is not None:
+                    where += f" (this rank's part {part[1]} of dim {part[0]})"
                 raise ValueError(f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dest.shape)}{where}")
             dest.copy_(tensor)
@@ -146,7 +173,34 @@ def checkpoint_files(model_dir: str) -> dict[str, list[str]]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in model directory {model_dir!r}")
 
 
-def _iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+class _StoredTensor:
+    """A checkpoint tensor not read yet: all of it, or a slice (only that slice leaves the mapped file)."""
+
+    def __init__(self, handle: Any, path: str, name: str) -> None:
+        self.handle, self.path, self.name = handle, path, name
+        try:
+            self._slice = handle.get_slice(name)
+            self.shape = tuple(self._slice.get_shape())
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): {exc}") from exc
+
+    def read(self) -> torch.Tensor:
+        return _get_tensor(self.handle, self.path, self.name)
+
+    def read_slices(self, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The ranges [start, stop) of dim, concatenated along it."""
+        parts = []
+        for start, stop in ranges:
+            index = (slice(None),) * dim + (slice(start, stop),)
+            try:
+                parts.append(self._slice[index])
+            except (SafetensorError, OSError) as exc:
+                raise ValueError(f"cannot read {self.name!r}[{start}:{stop} of dim {dim}] from {self.path} "
+                                 f"(truncated or corrupt?): {exc}") from exc
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, _StoredTensor]]:
     for path, names in checkpoint_files(model_dir).items():
         with _open_safetensors(path) as f:
             present = set(f.keys())
@@ -154,7 +208,7 @@ def _iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, torch.Tensor]]:
                 if name not in present:
                     raise ValueError(f"tensor {name!r} is listed for {path} in the index but the file lacks it")
             for name in sorted(present):
-                yield path, name, _get_tensor(f, path, name)
+                yield path, name, _StoredTensor(f, path, name)
 
 
 def read_tensors(model_dir: str, names: list[str]) -> dict[str, torch.Tensor]:

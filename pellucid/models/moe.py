@@ -20,6 +20,9 @@ renormalisation of the chosen probabilities, and (Qwen) the weights rounded to t
 CPU expert loop is transformers' eager one (chosen experts in increasing order, `index_add_` into the
 output), so logits match to float32 rounding and ties in top-k break the same way. On CUDA the routing
 and experts run as fused Triton kernels (pellucid.kernels.fused_moe) with no host sync, inside CUDA graphs.
+
+Under tensor parallelism every rank holds every expert's share of the intermediate columns and the router
+whole; `mlp.experts` all-reduces its partial sums, so every site keeps its full value (parallel_layers.py).
 """
 from __future__ import annotations
 
@@ -29,8 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pellucid.distributed.parallel_state import get_tensor_parallel
 from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.layers import GatedMLP, Linear, is_observed
+from pellucid.models.parallel_layers import unit_shard
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,12 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
+        # Under tensor parallelism each rank holds its share of every expert's intermediate columns (gate/up
+        # rows, down columns): its output is a partial sum, all-reduced in forward (parallel_layers.py).
+        self.shard = unit_shard(intermediate_size, "moe_intermediate_size")
+        if self.shard is not None:
+            intermediate_size = self.shard.length
+            self.tp_weights = {"gate_up_proj": (1, self.shard, 2), "down_proj": (2, self.shard)}
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype,
                                                      device=device))
@@ -116,10 +127,16 @@ class FusedExperts(nn.Module):
         """`layout`: the fused kernels' token layout made with `ids` by the routing kernel, if it ran."""
         if fused_kernels_enabled(hidden_states, "moe"):
             from pellucid.kernels.fused_moe import fused_experts
-            return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, ids, weights, layout)
-        if hidden_states.is_cuda:
-            return self._forward_masked(hidden_states, ids, weights)
-        return self._forward_loop(hidden_states, ids, weights)
+            out = fused_experts(hidden_states, self.gate_up_proj, self.down_proj, ids, weights, layout)
+        elif hidden_states.is_cuda:
+            out = self._forward_masked(hidden_states, ids, weights)
+        else:
+            out = self._forward_loop(hidden_states, ids, weights)
+        if self.shard is not None:
+            tp = get_tensor_parallel()
+            assert tp is not None
+            out = tp.all_reduce(out)
+        return out
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)

@@ -15,6 +15,7 @@ from pellucid.models.expert_weights import ExpertCheckpointNames
 from pellucid.models.layers import GatedMLP
 from pellucid.models.llama import AttentionOptions, LlamaForCausalLM
 from pellucid.models.moe import MoeSpec, SparseMoeBlock
+from pellucid.models.parallel_layers import unit_shard
 from pellucid.models.qwen3 import Qwen3ForCausalLM
 from pellucid.models.registry import register_model
 
@@ -71,7 +72,8 @@ class MoeCausalLM(LlamaForCausalLM):
     def checkpoint_target(self, name: str) -> tuple[str, tuple[Any, ...]] | None:
         """Where a checkpoint tensor goes: (parameter name, index into it), or None when it is the parameter
         of the same name (pellucid.models.loader asks)."""
-        return self.checkpoint_names().target(name, self._expert_intermediate)
+        return self.checkpoint_names().target(name, self._expert_intermediate,
+                                              unit_shard(self._expert_intermediate, "moe_intermediate_size"))
 
     @property
     def _expert_intermediate(self) -> int:

@@ -12,6 +12,7 @@ import torch
 from pellucid.attention.backend import AttentionBackend, get_backend_class
 from pellucid.attention.metadata import ForwardContext, forward_context
 from pellucid.config import EngineConfig
+from pellucid.distributed.parallel_state import get_tensor_parallel
 from pellucid.engine.scheduler_output import SchedulerOutput
 from pellucid.heads.registry import build_head
 from pellucid.logger import get_logger
@@ -91,9 +92,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_reqs = config.scheduler.max_num_seqs
+        # Under tensor parallelism every rank runs this runner on the same steps (rank 0 in the engine core,
+        # the others in pellucid.distributed.worker); only rank 0 reads the results back.
+        self.tp = get_tensor_parallel()
+        self.reads_results = self.tp is None or self.tp.is_driver
         backend_cls = choose_backend(config.runner.attention_backend, device)
         self.backend = backend_cls(model.num_attention_heads, model.num_kv_heads, model.head_dim, dtype, device)
-        self.head = build_head(config.head.name, model.lm_head.weight, config.head.options, config.model.model)
+        self.head = build_head(config.head.name, model.lm_head.weight, config.head.options, config.model.model,
+                               vocab_shard=getattr(model.lm_head, "vocab_shard", None))
         self.sampler = Sampler()
         self.buffers = StepBuffers(max_num_batched_tokens, self.max_num_reqs,
                                    math.ceil(max_model_len / self.block_size), device)
@@ -141,6 +147,13 @@ class ModelRunner:
         """False for models whose state cannot be rebuilt from cached KV blocks (hybrid models)."""
         return bool(getattr(self.model, "supports_prefix_caching", True))
 
+    def set_fatal_handler(self, handler: Any) -> None:
+        """`handler(reason)` is called from another thread once this runner can no longer run steps (a
+        tensor-parallel worker died: pellucid.distributed.driver). A runner of one process never calls it."""
+
+    def shutdown(self) -> None:
+        """Stop what the runner started outside this process (tensor-parallel workers); nothing here."""
+
     def release_request_states(self, request_ids: set[str]) -> None:
         """Free per-request state of finished/preempted requests when no batch runs to carry the news."""
         if self.state_pool is not None:
@@ -159,8 +172,11 @@ class ModelRunner:
         # More blocks than max_num_seqs full-length sequences need only serve the prefix cache.
         enough = self.max_num_reqs * math.ceil(self.max_model_len / self.block_size) + 1
         if self.device.type != "cuda":
-            return max(min(cache.cpu_kv_cache_bytes // self.kv_bytes_per_block(), enough), 2)
-        return self._profile_num_gpu_blocks(cache.gpu_memory_utilization)
+            blocks = max(min(cache.cpu_kv_cache_bytes // self.kv_bytes_per_block(), enough), 2)
+        else:
+            blocks = self._profile_num_gpu_blocks(cache.gpu_memory_utilization)
+        # Every rank holds the same blocks (its heads of them): as many as the fullest rank has room for.
+        return blocks if self.tp is None else self.tp.min_int(blocks)
 
     def _profile_num_gpu_blocks(self, utilization: float) -> int:
         """Run a forward at the token budget to find peak activation memory; the rest of the budget is KV."""
@@ -290,6 +306,14 @@ class ModelRunner:
             self._last_sampled = self._last_sampled_by = None
         return out
 
+    def retire(self, step: LaunchedStep) -> None:
+        """A tensor-parallel worker's end of a step: what collect() does besides reading the results, which
+        only rank 0 reads (the trace's step bookkeeping; its failures are rank 0's to report)."""
+        if step.trace is not None:
+            step.trace.finish_step(ModelRunnerOutput())
+        if step is self._last_sampled_by:
+            self._last_sampled = self._last_sampled_by = None
+
     def _wait_for_input_copies(self) -> None:
         """Before the pinned host staging region (and the block table in it) is rewritten, the previous
         step's copy out of it must be done. It is queued first in that step, so by now it almost always is
@@ -379,19 +403,26 @@ class ModelRunner:
             else:
                 result = trace.sample(self.head, self.sampler, sample_hidden, sampling)
                 trace.record_tokens(result.sampled_token_ids)
-            self._last_sampled = (result.sampled_token_ids, requests)
+            sampled = result.sampled_token_ids
+            if self.tp is not None:
+                # Every rank sampled (the head's collectives need every rank); rank 0's tokens are the step's,
+                # and every rank's next input ids.
+                sampled = self.tp.broadcast(sampled.contiguous())
+            self._last_sampled = (sampled, requests)
             self._last_sampled_by = step
-            step.token_ids = _to_host(result.sampled_token_ids)
-            if result.logprobs is not None:
-                step.logprobs = _logprobs_to_host(result.logprobs)
-                step.logprobs_k = [r.sampling_params.logprobs for r in requests]
+            if self.reads_results:
+                step.token_ids = _to_host(sampled)
+                if result.logprobs is not None:
+                    step.logprobs = _logprobs_to_host(result.logprobs)
+                    step.logprobs_k = [r.sampling_params.logprobs for r in requests]
         for plr in batch.prompt_logprob_rows:
             k = plr.request.sampling_params.prompt_logprobs
             rows = host_to_device(plr.rows.tolist(), torch.int64, hidden.device)
             logits = self.head.compute_logits(hidden.index_select(0, rows))
             targets = host_to_device(plr.target_token_ids, torch.int64, hidden.device)
-            step.prompt_logprobs.append((plr.request.request_id, plr.first_position,
-                                         _logprobs_to_host(gather_logprobs(logits, targets, k))))
+            lps = gather_logprobs(logits, targets, k)
+            if self.reads_results:
+                step.prompt_logprobs.append((plr.request.request_id, plr.first_position, _logprobs_to_host(lps)))
         if hidden.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()

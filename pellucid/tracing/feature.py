@@ -51,6 +51,16 @@ class Tracing(RequestFeature):
                 saves[name] = saves[name][torch.tensor(keep, dtype=torch.long, device=saves[name].device)]
                 positions[name] = [kept[i] for i in keep]
 
+    def for_ranks(self, value: Any) -> Any:
+        # Every tensor-parallel rank runs the ops (gathering sharded sites, editing its own part); each binds
+        # its own plan. Saves kept on another rank are dropped with its copy of the request.
+        return (value.ops, value.keep_saves_on_device)
+
+    def on_rank(self, value: Any, request: Any, runner: Any) -> TracePlan:
+        ops, keep_saves_on_device = value
+        return TracePlan(ops, keep_saves_on_device).bind(request.num_prompt_tokens, request.max_total_tokens,
+                                                         request.request_id, site_table(runner))
+
     def for_engine(self, engine: Any) -> "EngineTracing":
         return EngineTracing(engine.runner)
 

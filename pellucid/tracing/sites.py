@@ -165,7 +165,7 @@ def _probe(runner: Any) -> SiteTable:
                                       f"[num_tokens, ...]")
                 else:
                     kinds = getattr(module, "site_edit_kinds", {}).get(point)
-                    sites.append(SiteInfo(name, path, point, found[0][1:], found[1],
+                    sites.append(SiteInfo(name, path, point, _full_shape(module, point, found[0][1:]), found[1],
                                           None if kinds is None else tuple(kinds)))
     vocab = runner.head.vocab_size
     sites.append(SiteInfo(f"{LOGITS}.output", LOGITS, "output", (vocab,), torch.float32))
@@ -173,6 +173,15 @@ def _probe(runner: Any) -> SiteTable:
     del hidden
     logger.debug("traceable sites: %d (%d module points not traceable)", len(sites), len(unusable))
     return SiteTable(sites, unusable)
+
+
+def _full_shape(module: nn.Module, point: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The per-token shape of the full value where a tensor-parallel rank holds part of it (its first dim:
+    parallel_layers.py `tp_sites`); a trace sees the full value (tracing/taps.py gathers it)."""
+    shard = getattr(module, "tp_sites", {}).get(point)
+    if shard is None:
+        return shape
+    return (shape[0] // shard.length * shard.total, *shape[1:])
 
 
 def module_paths(model: nn.Module) -> set[str]:

@@ -624,27 +624,47 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @contextlib.contextmanager
 def install_hooks(modules: dict[str, nn.Module], taps: dict[Target, Any], run: Any) -> Iterator[None]:
-    """Forward (pre-)hooks on the tapped modules calling `run(target, x) -> new x or None`."""
+    """Forward (pre-)hooks on the tapped modules calling `run(target, x) -> new x or None`.
+
+    A site a tensor-parallel rank holds only part of (parallel_layers.py `tp_sites`) is gathered first, so
+    `run` sees the full HuggingFace tensor on every rank; an edited value goes back as each rank's part.
+    Every rank installs the same hooks (the same plans run on every rank), so the gathers pair up."""
     handles = []
     try:
         for target in taps:
             site, point = target
             module = modules[site]
+            shard = getattr(module, "tp_sites", {}).get(point)
+            call = run if shard is None else _gathered(run, shard)
             if point == "input":
-                def pre(_m: nn.Module, args: tuple[Any, ...], target: Target = target) -> tuple[Any, ...] | None:
+                def pre(_m: nn.Module, args: tuple[Any, ...], target: Target = target,
+                        call: Any = call) -> tuple[Any, ...] | None:
                     if not args or not isinstance(args[0], torch.Tensor):
                         raise RuntimeError(f"{target[0]}.input: the module was called without a tensor first "
                                            f"argument")
-                    new = run(target, args[0])
+                    new = call(target, args[0])
                     return None if new is None else (new, *args[1:])
                 handles.append(module.register_forward_pre_hook(pre))
             else:
-                def post(_m: nn.Module, _a: tuple[Any, ...], output: Any, target: Target = target) -> Any:
+                def post(_m: nn.Module, _a: tuple[Any, ...], output: Any, target: Target = target,
+                         call: Any = call) -> Any:
                     if not isinstance(output, torch.Tensor):
                         raise RuntimeError(f"{target[0]}.output is a {type(output).__name__}, not a tensor")
-                    return run(target, output)
+                    return call(target, output)
                 handles.append(module.register_forward_hook(post))
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _gathered(run: Any, shard: Any) -> Any:
+    """`run` on the full tensor of which each tensor-parallel rank holds part `shard` (dim 1)."""
+    from pellucid.distributed.parallel_state import get_tensor_parallel
+    tp = get_tensor_parallel()
+    assert tp is not None
+
+    def run_full(target: Target, x: torch.Tensor) -> torch.Tensor | None:
+        new = run(target, tp.gather_shards(x, shard))
+        return None if new is None else tp.local_part(new, shard)
+    return run_full

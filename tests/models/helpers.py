@@ -1,10 +1,13 @@
 """Test helpers: hand-built attention metadata and a paged KV cache, to run models without the engine."""
 from __future__ import annotations
 
+import json
+import os
 import random
 from typing import Hashable
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from pellucid.attention.metadata import CommonAttentionMetadata, ForwardContext, forward_context
 from pellucid.attention.torch_ref import TorchReferenceBackend
@@ -129,3 +132,29 @@ def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
 def random_token_prompts(seed: int, lengths: list[int], vocab: int = 512) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def write_fused_expert_layout(src: str, dst: str, layers: list[int] | None = None) -> None:
+    """Copy a checkpoint, storing the experts of `layers` (all when None) as the fused 3D tensors."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
+                g.write(f.read())
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    config = json.load(open(os.path.join(src, "config.json")))
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if ".experts." in name and parts[2].isdigit() and (layers is None or int(parts[2]) in layers):
+            prefix = ".".join(parts[:parts.index("experts") + 1]).replace("block_sparse_moe", "mlp")
+            experts.setdefault(prefix, {}).setdefault(int(parts[parts.index("experts") + 1]), {})[parts[-2]] = t
+        else:
+            out[name] = t
+    gate, up, down = ("w1", "w3", "w2") if config["model_type"] == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for prefix, per_expert in experts.items():
+        order = sorted(per_expert)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([per_expert[e][gate], per_expert[e][up]]) for e in order])
+        out[f"{prefix}.down_proj"] = torch.stack([per_expert[e][down] for e in order])
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})

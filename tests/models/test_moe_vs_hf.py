@@ -14,7 +14,7 @@ from pellucid.models.loader import load_model
 from pellucid.models.moe import MoeSpec, SparseMoeBlock, route
 from pellucid.tiny_models import build_tiny_model
 from tests.models.helpers import (PagedModelRunner, hf_logits, load_hf_model, random_token_prompts,
-                                  relative_error)
+                                  relative_error, write_fused_expert_layout)
 
 TOLERANCE = 1e-4
 
@@ -119,39 +119,13 @@ def test_routing_and_ties_equal_the_hf_router(arch_module: str, norm: bool, seed
     assert torch.equal(our_ids, ids) and torch.equal(our_weights, weights)
 
 
-def _write_fused_layout(src: str, dst: str, layers: list[int] | None = None) -> None:
-    """Copy a checkpoint, storing the experts of `layers` (all when None) as the fused 3D tensors."""
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        if name != "model.safetensors":
-            with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
-                g.write(f.read())
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    config = json.load(open(os.path.join(src, "config.json")))
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, t in tensors.items():
-        parts = name.split(".")
-        if ".experts." in name and parts[2].isdigit() and (layers is None or int(parts[2]) in layers):
-            prefix = ".".join(parts[:parts.index("experts") + 1]).replace("block_sparse_moe", "mlp")
-            experts.setdefault(prefix, {}).setdefault(int(parts[parts.index("experts") + 1]), {})[parts[-2]] = t
-        else:
-            out[name] = t
-    gate, up, down = ("w1", "w3", "w2") if config["model_type"] == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    for prefix, per_expert in experts.items():
-        order = sorted(per_expert)
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([per_expert[e][gate], per_expert[e][up]]) for e in order])
-        out[f"{prefix}.down_proj"] = torch.stack([per_expert[e][down] for e in order])
-    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize("name", ["qwen3-moe-e8k2", "mixtral-e4k2", "qwen2-moe-e6k3"])
 def test_fused_and_mixed_expert_layouts_load_the_same_weights(checkpoints, tmp_path, name: str) -> None:
     model_dir = checkpoints(name)
     per_expert, _ = load_model(model_dir, torch.float32, "cpu")
     reference = dict(per_expert.named_parameters())
     for layers, sub in ((None, "fused"), ([0], "mixed")):
-        _write_fused_layout(model_dir, str(tmp_path / sub), layers)
+        write_fused_expert_layout(model_dir, str(tmp_path / sub), layers)
         model, _ = load_model(str(tmp_path / sub), torch.float32, "cpu")
         for n, p in model.named_parameters():
             assert torch.equal(p, reference[n]), n
@@ -168,7 +142,7 @@ def test_other_expert_layouts_are_refused_by_name(checkpoints, tmp_path) -> None
 
     def write(sub: str, change) -> str:
         dst = tmp_path / sub
-        _write_fused_layout(model_dir, str(dst), [])      # a plain copy
+        write_fused_expert_layout(model_dir, str(dst), [])      # a plain copy
         changed = dict(tensors)
         change(changed)
         save_file(changed, str(dst / "model.safetensors"), metadata={"format": "pt"})

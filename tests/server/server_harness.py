@@ -75,6 +75,15 @@ def random_prompts(seed: int, count: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) for _ in range(count)]
 
 
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

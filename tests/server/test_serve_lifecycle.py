@@ -13,18 +13,9 @@ import time
 import httpx
 
 from pellucid.bench.serve import child_pids
-from server_harness import free_port, start_serve_process, wait_healthy
+from server_harness import alive, free_port, start_serve_process, wait_healthy
 
 SERVE = [sys.executable, "-m", "pellucid"]
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_for(predicate, timeout: float) -> float:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pellucid.config import resolve_dtype
+from pellucid.distributed.parallel_state import Shard, TensorParallel
 from pellucid.heads.base import LMHead
 from pellucid.heads.flashhead import kernels
 from pellucid.heads.flashhead.crossover import measure_max_fast_batch
@@ -60,10 +61,18 @@ def fast_rows_metadata(sampling: SamplingMetadata, rows: list[int], index: torch
 
 
 class FlashHead(LMHead):
-    name = "flashhead"
+    """Under tensor parallelism (`vocab_shard`) every rank holds the centroids and, of each cluster, the
+    tokens in its vocabulary rows (clusters are padded to the largest such part of any rank). Stage 1 is the
+    same on every rank (the clusters a sampled row draws are rank 0's); stage 2 computes the probed
+    clusters' logits for the rank's own tokens, and the candidates of all ranks are gathered before the
+    argmax or the sampler, so every path sees the same candidates as at one rank."""
 
-    def __init__(self, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None) -> None:
-        super().__init__(weight, options, model_dir)
+    name = "flashhead"
+    supports_tensor_parallel = True
+
+    def __init__(self, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None,
+                 vocab_shard: Shard | None = None) -> None:
+        super().__init__(weight, options, model_dir, vocab_shard)
         unknown = sorted(set(self.options) - set(OPTIONS))
         if unknown:
             raise ValueError(f"unknown flashhead option(s) {unknown}; known: {', '.join(OPTIONS)}")
@@ -73,7 +82,7 @@ class FlashHead(LMHead):
                 raise ValueError("flashhead needs head_options={'asset': PATH} when no model directory is known")
             asset_path = default_asset_path(model_dir)
         self.asset_path = resolve_asset_path(str(asset_path))
-        asset = load_asset(self.asset_path, weight)
+        asset = load_asset(self.asset_path, weight if self.tp is None else _GatheredRows(weight, self.vocab_shard, self.tp))
         self.num_clusters, self.cluster_size = asset.num_clusters, asset.cluster_size
         probes = self.options.get("probes", min(DEFAULT_PROBES, self.num_clusters))
         # An integer only: "12", 12.7 or True would otherwise be coerced into some other setting.
@@ -86,12 +95,14 @@ class FlashHead(LMHead):
         stage1_dtype = self.options.get("stage1_dtype", "auto")
         self.stage1_dtype = weight.dtype if stage1_dtype == "auto" else resolve_dtype(stage1_dtype, "cuda")
         self.centroids = asset.centroids.to(device=device, dtype=self.stage1_dtype).contiguous()
-        self.cluster_token_ids = asset.token_ids.to(device).contiguous()
+        token_ids = asset.token_ids if self.vocab_shard is None else _rank_part(asset.token_ids, self.vocab_shard)
+        self.cluster_token_ids = token_ids.to(device).contiguous()
         # A permuted copy of the head, rows contiguous per cluster, padding rows zero (and masked anyway).
         flat_ids = self.cluster_token_ids.reshape(-1)
-        rows = weight.detach()[flat_ids.clamp_min(0)]
+        first = self.vocab_shard.start if self.vocab_shard is not None else 0
+        rows = weight.detach()[(flat_ids - first).clamp_min(0)]
         rows[flat_ids == PAD_TOKEN] = 0
-        self.cluster_weight = rows.reshape(self.num_clusters, self.cluster_size, -1).contiguous()
+        self.cluster_weight = rows.reshape(self.num_clusters, self.cluster_token_ids.shape[1], -1).contiguous()
         self._all_clusters = torch.arange(self.num_clusters, device=device).unsqueeze(0)
         self.rows_fast = 0    # rows served by retrieval, for /metrics
         self.rows_dense = 0   # rows routed to exact dense logits (exactness rule or batch crossover)
@@ -110,6 +121,11 @@ class FlashHead(LMHead):
             return value
         if not self.weight.is_cuda:
             logger.info("flashhead: fast path at every batch size (no crossover is measured off-GPU)")
+            return None
+        if self.tp is not None:
+            # The ranks would time different crossovers and stop their ladders (and collectives) apart.
+            logger.info("flashhead: fast path at every batch size (no crossover is measured under tensor "
+                        "parallelism; set max_fast_batch to choose one)")
             return None
         limit, table = measure_max_fast_batch(lambda h: self.compute_logits(h).argmax(dim=1), self.greedy,
                                               self.weight.shape[1], self.weight.dtype, self.weight.device)
@@ -134,7 +150,14 @@ class FlashHead(LMHead):
         else:
             scale, noise = self._cluster_draw(num_rows, hidden.device, sampling)
             clusters = kernels.select_clusters(hidden, self.centroids, self.probes, scale, noise)
+            if self.tp is not None and noise is not None:
+                clusters = self.tp.broadcast(clusters.contiguous())   # rank 0's draw (unseeded rows differ)
         logits, token_ids = kernels.stage2(hidden, self.cluster_weight, self.cluster_token_ids, clusters)
+        if self.tp is not None:
+            columns = Shard(tuple(r * logits.shape[1] for r in range(self.tp.size)), logits.shape[1],
+                            self.tp.size * logits.shape[1], self.tp.rank)
+            logits = self.tp.gather_shards(logits, columns)
+            token_ids = self.tp.gather_shards(token_ids, columns)
         return token_ids, logits
 
     def _cluster_draw(self, num_rows: int, device: torch.device,
@@ -154,7 +177,11 @@ class FlashHead(LMHead):
         return scale, gumbel
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Argmax token per row among the p best-scoring clusters (no logits materialised on CUDA)."""
+        """Argmax token per row among the p best-scoring clusters (no logits materialised on CUDA, at one
+        rank; under tensor parallelism the ranks' candidate logits are gathered first)."""
+        if self.tp is not None:
+            token_ids, logits = self.candidates(hidden)
+            return kernels.argmax_tokens(logits, token_ids)
         return kernels.greedy_tokens(hidden, self.centroids, self.cluster_weight, self.cluster_token_ids,
                                      self.probes, self._all_clusters)
 
@@ -200,3 +227,39 @@ class FlashHead(LMHead):
 
     def usage(self) -> dict[str, int]:
         return {"rows_fast": self.rows_fast, "rows_dense": self.rows_dense}
+
+
+def _rank_part(token_ids: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """[C, S'] the clusters' tokens in the rank's vocabulary rows, each cluster's first, padded with -1 to
+    S', the largest such part of a cluster on any rank (so every rank's stage 2 has the same shape)."""
+    def inside(start: int, count: int) -> torch.Tensor:
+        return (token_ids >= start) & (token_ids < start + count)
+    total = shard.total
+    widest = max(int(inside(s, max(0, min(shard.length, total - s))).sum(dim=1).max()) for s in shard.starts)
+    mine = inside(shard.start, shard.num_valid)
+    order = torch.sort((~mine).to(torch.int8), dim=1, stable=True).indices[:, :widest]
+    return torch.where(mine.gather(1, order), token_ids.gather(1, order), torch.full_like(order, PAD_TOKEN))
+
+
+class _GatheredRows:
+    """The full LM head as the asset's fingerprint reads it, `rows[start:stop]`, on every rank: each
+    rank's rows broadcast by it (start-up only; never more than one chunk of rows at a time)."""
+
+    def __init__(self, weight: torch.Tensor, shard: Shard | None, tp: TensorParallel) -> None:
+        assert shard is not None
+        self.weight, self.shard, self.tp = weight, shard, tp
+        self.shape = (shard.total, weight.shape[1])
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        start, stop = index.start or 0, min(index.stop, self.shard.total)
+        out = torch.empty(stop - start, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
+        for rank in self.shard.owners():
+            first = self.shard.starts[rank]
+            lo, hi = max(start, first), min(stop, first + self.shard.length, self.shard.total)
+            if lo >= hi:
+                continue
+            part = out[lo - start:hi - start]
+            if rank == self.tp.rank:
+                part.copy_(self.weight[lo - first:hi - first])
+            self.tp.broadcast(part, src=rank)
+        return out

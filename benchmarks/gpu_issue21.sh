@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 21 (tensor parallelism) on a 2- or 4-GPU machine in one device call: the GPU tests of tensor
+# parallelism (NCCL, CUDA graphs holding the collectives), then benchmarks/tp_bench.py: batch-1 decode of the
+# Llama-3.1-8B shape at TP 1, 2 (and 4), the all-reduces of a step against NCCL's bandwidth, and on 4 GPUs the
+# Llama-3.1-70B shape (random bf16, drawn at load by each rank) against the per-GPU weight floor and on the
+# throughput workload.
+# Usage (device tool, kind nvidia-h100-x2 or -x4): bash benchmarks/gpu_issue21.sh [SECTION ...]
+#   sections: tests decode8b allreduce decode70b throughput70b   (default: all that fit the GPU count)
+# pyzmq and msgspec are not installed there: carry their wheels (.whl, see the device tool's README).
+set -u
+OUT=${OUT:-/tmp/gpu_issue21}
+TOTAL_S=${TOTAL_S:-570}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+. "$(dirname "$0")/gpu_common.sh"
+GPUS=$(nvidia-smi -L | wc -l)
+echo "GPUs: $GPUS" | tee -a "$OUT/summary.md"
+if [ "$GPUS" -ge 4 ]; then SIZES=1,2,4; else SIZES=1,2; fi
+default="tests decode8b allreduce"
+[ "$GPUS" -ge 4 ] && default="$default decode70b throughput70b"
+for s in ${*:-$default}; do
+  case $s in
+    tests)
+      run gpu_tests 200 python3 -m pytest -q -x -rs -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py ;;
+    decode8b)
+      run decode_8b 240 python3 benchmarks/tp_bench.py decode --model Llama-3.1-8B --tp-sizes "$SIZES" ;;
+    allreduce)
+      run allreduce_8b 90 python3 benchmarks/tp_bench.py allreduce --model Llama-3.1-8B --tp-sizes "${SIZES#1,}" ;;
+    decode70b)
+      run decode_70b 300 python3 benchmarks/tp_bench.py decode --model Llama-3.1-70B --tp-sizes 4 --repeats 2 ;;
+    throughput70b)
+      run throughput_70b 400 python3 benchmarks/tp_bench.py throughput --model Llama-3.1-70B --tp-size 4 ;;
+  esac
+done
+echo "== done in $SECONDS s" | tee -a "$OUT/summary.md"
