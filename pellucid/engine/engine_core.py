@@ -104,7 +104,7 @@ class EngineCore:
         self.device = torch.device(resolve_device(config.runner.device))
         torch.manual_seed(mc.seed)
         dtype = resolve_dtype(mc.dtype, str(self.device), _config_dtype(mc.model))
-        self.model, self.hf_config = load_model(mc.model, dtype, self.device, mc.max_model_len)
+        self.model, self.hf_config = load_model(mc.model, dtype, self.device, mc.max_model_len, mc.submodel)
         self.dtype = next(self.model.parameters()).dtype
         self.model_name = mc.served_model_name or mc.model
         self.max_model_len = self._max_model_len()
@@ -112,7 +112,10 @@ class EngineCore:
         if sc.max_num_batched_tokens is None:
             sc.max_num_batched_tokens = min(max(2048, self.max_model_len), 8192) if sc.enable_chunked_prefill \
                 else self.max_model_len
-        self.eos_token_ids = _eos_token_ids(mc.model, mc.tokenizer or mc.model, self.hf_config)
+        # A model whose vocabulary is not the tokenizer's (a pipeline stage's codec tokens) names its own EOS ids.
+        model_eos = getattr(self.model, "eos_token_ids", None)
+        self.eos_token_ids = set(model_eos) if model_eos is not None else \
+            _eos_token_ids(mc.model, mc.tokenizer or mc.model, self.hf_config)
         self.runner = ModelRunner(config, self.model, self.hf_config, self.device, self.dtype,
                                   self.max_model_len, sc.max_num_batched_tokens)
         self.num_blocks = self.runner.determine_num_blocks()
@@ -164,8 +167,9 @@ class EngineCore:
         supported = self.runner.supports_prefix_caching
         if not supported and asked is not False:
             arch = type(self.model).__name__
-            reason = (f"{arch} keeps per-request recurrent state that cached attention KV cannot restore, "
-                      "so every request computes its prompt from the start")
+            reason = getattr(self.model, "no_prefix_caching_reason", None) or (
+                f"{arch} keeps per-request recurrent state that cached attention KV cannot restore, "
+                "so every request computes its prompt from the start")
             if asked:
                 logger.warning("enable_prefix_caching=True was asked for, but prefix caching is off: %s", reason)
             else:
@@ -212,6 +216,9 @@ class EngineCore:
         """ValueError naming what is wrong with a prompt's token ids (the frontend checks the same first)."""
         check_prompt_ids(ids, self.runner.head.vocab_size, self.max_model_len,
                          self.config.scheduler.enable_chunked_prefill, self.config.scheduler.max_num_batched_tokens)
+        model_check = getattr(self.model, "check_prompt_ids", None)    # a model that reads only some ids
+        if model_check is not None:
+            model_check(ids)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; ValueError (nothing queued) when it cannot run."""
@@ -224,6 +231,10 @@ class EngineCore:
             raise ValueError(f"the engine core runs one sequence per request (got n={params.n}); the frontend "
                              "fans n > 1 out")
         self.check_prompt_ids(request.prompt_token_ids)
+        missing = [key for key in getattr(self.model, "required_extras", ()) if key not in (request.extras or {})]
+        if missing:
+            raise ValueError(f"{type(self.model).__name__} serves requests carrying {', '.join(missing)} only (a "
+                             "pipeline stage whose inputs come from the previous stage: serve it as a pipeline)")
         req = Request(rid, request.prompt_token_ids, params, self.eos_token_ids,
                       arrival_time=request.arrival_time, max_model_len=self.max_model_len)
         req.stream_outputs = request.stream
@@ -267,22 +278,27 @@ class EngineCore:
         for req in ended:
             self._pending[req.request_id] = req
 
+    def fail_requests(self, request_ids: list[str], error: str) -> None:
+        """End requests now with `error` (a feature found their inputs broken); unknown ids are ignored."""
+        ended = [self.scheduler.requests[rid] for rid in request_ids if rid in self.scheduler.requests]
+        self.scheduler.finish_requests([r.request_id for r in ended], RequestStatus.FINISHED_ERROR)
+        for req in ended:
+            req.error = error
+            self._pending[req.request_id] = req
+        self.features.after_finish(ended)
+
     def abort_all(self, error: str | None = None) -> None:
         """End every unfinished request (shutdown, a failed step): aborted, or failed with `error`."""
         ids = list(self.scheduler.requests)
         if error is None:
             self.finish_requests(ids)
             return
-        ended = [self.scheduler.requests[rid] for rid in ids]
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        for req in ended:
-            req.error = error
-            self._pending[req.request_id] = req
-        self.features.after_finish(ended)
+        self.fail_requests(ids, error)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a step() now would do or report anything."""
-        return (self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._refused)
+        """Whether a step() now would do or report anything (requests that wait for a pipeline stage's
+        inputs do not count: they wait without steps)."""
+        return (self.scheduler.has_runnable_requests() or bool(self._pending) or bool(self._refused)
                 or self._in_flight is not None or not self._deferred_done.empty())
 
     def has_deferred_outputs(self) -> bool:
@@ -380,6 +396,8 @@ class EngineCore:
         new = tokens[reported:] if reported else list(tokens)
         req.num_reported_tokens = len(tokens)
         out = EngineCoreOutput(req.request_id, new, num_cached_tokens=max(req.num_cached_tokens, 0))
+        if req.events:
+            out.events, req.events = req.events, None
         if ro is not None:
             rid = req.request_id
             if ro.logprobs and rid in ro.logprobs and new:
@@ -476,6 +494,20 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use (vLLM's reset_prefix_cache); returns how many."""
         return self.block_pool.reset_prefix_cache()
+
+
+def build_core(config: EngineConfig) -> Any:
+    """The engine core of `config`: an EngineCore, or the class `config.core` names ("module:Class", a
+    pipeline stage's own core speaking the same protocol)."""
+    if config.core is None:
+        return EngineCore(config)
+    import importlib
+    module, _, name = config.core.partition(":")
+    try:
+        core_class = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"engine core {config.core!r} cannot be imported: {exc}") from exc
+    return core_class(config)
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, chunked_prefill: bool,
