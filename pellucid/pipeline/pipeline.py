@@ -97,7 +97,12 @@ class Pipeline:
         try:
             for stage_name in self.graph.order:
                 stage = self.graph.stage(stage_name)
-                args = {**engine_kwargs, **stage.engine_args, "engine_process": engine_process}
+                common = dict(engine_kwargs)
+                if stage_name != self.graph.order[0]:
+                    # The LM head is the text stage's choice; later stages sample with their model's own.
+                    common.pop("head", None)
+                    common.pop("head_options", None)
+                args = {**common, **stage.engine_args, "engine_process": engine_process}
                 config = EngineConfig.from_kwargs(model, submodel=stage.submodel, tokenizer=tokenizer, **args)
                 config.core = stage.core
                 self.clients[stage_name] = make_client(config, asynchronous)
