@@ -72,6 +72,8 @@ class EngineInfo:
     attention_backend: str
     cuda_graphs: bool
     lm_head: dict[str, Any]
+    # The decoder's module path: "model" (model.layers.N), or a stage's (Qwen3-Omni's thinker: "thinker.model").
+    backbone: str = "model"
     # The traceable sites (pellucid.tracing.sites.SiteTable). In the engine's own process it is probed on
     # first use (a tiny forward); an engine in another process probes it before publishing its info.
     site_table_loader: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
@@ -204,7 +206,7 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens, enable_chunked_prefill=sc.enable_chunked_prefill,
             enable_prefix_caching=bool(config.cache.enable_prefix_caching), async_scheduling=self.async_scheduling,
             attention_backend=self.runner.backend.name, cuda_graphs=self.runner.cuda_graphs is not None,
-            lm_head=self.runner.head.describe())
+            lm_head=self.runner.head.describe(), backbone=getattr(self.model, "backbone_path", "model"))
         if probe_sites:
             info._site_table = site_table(self.runner)
         else:

@@ -78,3 +78,32 @@ def test_stages_load_only_their_tensors(omni_dir) -> None:
         load_model(omni_dir, torch.float32, "cpu")
     with pytest.raises(ValueError, match="no stage 'vocoder'"):
         load_model(omni_dir, torch.float32, "cpu", submodel="vocoder")
+
+
+def test_thinker_as_llm_traces_and_extracts_at_hf_paths(omni_dir, hf_model, tmp_path) -> None:
+    """The thinker alone (`LLM(dir, submodel="thinker")`): greedy tokens equal transformers' thinker, a trace
+    saves `thinker.model.layers.1.output` = transformers' hidden_states[2], and extraction writes the same
+    states (layer ids count the thinker's decoder layers)."""
+    from pellucid.extraction import HiddenStatesDataset
+    from pellucid.llm import LLM
+    from pellucid.sampling_params import SamplingParams
+
+    llm = LLM(omni_dir, submodel="thinker", max_model_len=128, num_kv_blocks=64)
+    assert llm.info.backbone == "thinker.model"
+    prompt = random_token_prompts(3, [11], vocab=500)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf_model.thinker.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                        eos_token_id=None, min_new_tokens=6)
+    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    with torch.no_grad():
+        hidden = hf_model.thinker(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    with llm.trace([prompt]) as tr:
+        saved = tr.thinker.model.layers[1].output.save()
+    assert relative_error(saved.value, hidden[2][0]) <= TOLERANCE
+    with pytest.raises(ValueError, match="multimodal|audio/image/video"):
+        llm.generate([[int(hf_model.config.thinker_config.audio_token_id)] + prompt], use_tqdm=False)
+    llm.extract_hidden_states([prompt], layers=[0, -1], output_dir=str(tmp_path), progress=False)
+    item = next(iter(HiddenStatesDataset(str(tmp_path))))
+    assert relative_error(item["hidden_states"][:, 0], hidden[1][0]) <= TOLERANCE
+    assert relative_error(item["hidden_states"][:, 1], hidden[-1][0]) <= TOLERANCE

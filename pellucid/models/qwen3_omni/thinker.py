@@ -27,6 +27,7 @@ class Qwen3OmniThinker(nn.Module):
     """Constructor `(omni hf_config, dtype, device, max_model_len=None)`; forward(input_ids [T]) -> hidden [T, H]."""
 
     checkpoint_prefixes = ("thinker.model.", "thinker.lm_head.")
+    backbone_path = "thinker.model"     # sites: thinker.model.layers.N (EngineInfo.backbone, extraction)
     # What stage_outputs() returns: one row per computed token.
     stage_output_rows = "tokens"
 
