@@ -29,7 +29,8 @@ class OmniRequestFailed(RuntimeError):
 
 class OmniStream:
     """A request's outputs (text cumulative, audio new in each), read on the event loop that added it;
-    the finished one last. Cancelling (or `cancel()`) aborts the request in every stage."""
+    the finished one last. Cancelling (or `cancel()`) aborts the request in every stage. Unlike AsyncLLM's
+    RequestStream, a slow reader gets every output, never only the newest: each carries audio of its own."""
 
     def __init__(self, request_id: str, owner: "AsyncOmni") -> None:
         self.request_id = request_id

@@ -97,7 +97,10 @@ class PipelineGraph:
         object.__setattr__(self, "order", tuple(order))
 
     def stage(self, name: str) -> StageSpec:
-        return next(s for s in self.stages if s.name == name)
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise ValueError(f"the pipeline has no stage {name!r}; its stages: {', '.join(self.order)}")
 
     def edge_into(self, name: str) -> EdgeSpec | None:
         return next((e for e in self.edges if e.dst == name), None)
@@ -125,6 +128,13 @@ class PipelineGraph:
         """Every stage's engine arguments, updated (its own keep precedence for keys it sets itself)."""
         return dataclasses.replace(self, stages=tuple(
             dataclasses.replace(s, engine_args={**engine_args, **s.engine_args}) for s in self.stages))
+
+    def with_stage_args(self, stage: str, **engine_args: Any) -> "PipelineGraph":
+        """One stage's engine arguments, updated."""
+        self.stage(stage)       # StopIteration -> a clear error below
+        return dataclasses.replace(self, stages=tuple(
+            dataclasses.replace(s, engine_args={**s.engine_args, **engine_args}) if s.name == stage else s
+            for s in self.stages))
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "PipelineGraph":

@@ -88,7 +88,7 @@ def test_thinker_as_llm_traces_and_extracts_at_hf_paths(omni_dir, hf_model, tmp_
     from pellucid.llm import LLM
     from pellucid.sampling_params import SamplingParams
 
-    llm = LLM(omni_dir, submodel="thinker", max_model_len=128, num_kv_blocks=64)
+    llm = LLM(omni_dir, submodel="thinker", device="cpu", max_model_len=128, num_kv_blocks=64)
     assert llm.info.backbone == "thinker.model"
     prompt = random_token_prompts(3, [11], vocab=500)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]

@@ -6,18 +6,11 @@ import random
 from pellucid.pipeline.connectors import ChunkKey, Connector, Notice, open_connector, set_inproc_connector
 
 
-class ShuffledDelivery(Connector):
-    """Wraps a connector: each notice is held back with probability `hold` and released later, at random,
-    in random order, interleaved with newer ones; every notice is released in the end (each deliver call
-    releases some held ones, and a notice is held at most `max_rounds` deliver calls)."""
+class _Wrapper(Connector):
+    """A connector around a real one: everything passes through unless a subclass says otherwise."""
 
-    def __init__(self, inner: Connector, seed: int, hold: float = 0.6, max_rounds: int = 4) -> None:
+    def __init__(self, inner: Connector) -> None:
         self.inner = inner
-        self.rng = random.Random(seed)
-        self.hold = hold
-        self.max_rounds = max_rounds
-        self.held: list[tuple[int, Notice]] = []
-        self.num_reordered = 0
 
     def put(self, key, chunk) -> None:
         self.inner.put(key, chunk)
@@ -30,6 +23,20 @@ class ShuffledDelivery(Connector):
 
     def __len__(self) -> int:
         return len(self.inner)
+
+
+class ShuffledDelivery(_Wrapper):
+    """Wraps a connector: each notice is held back with probability `hold` and released later, at random,
+    in random order, interleaved with newer ones; every notice is released in the end (each deliver call
+    releases some held ones, and a notice is held at most `max_rounds` deliver calls)."""
+
+    def __init__(self, inner: Connector, seed: int, hold: float = 0.6, max_rounds: int = 4) -> None:
+        super().__init__(inner)
+        self.rng = random.Random(seed)
+        self.hold = hold
+        self.max_rounds = max_rounds
+        self.held: list[tuple[int, Notice]] = []
+        self.num_reordered = 0
 
     def deliver(self, notices: list[Notice]) -> list[Notice]:
         out = []
@@ -50,25 +57,16 @@ class ShuffledDelivery(Connector):
         return out
 
 
-class LosingConnector(Connector):
+class LosingConnector(_Wrapper):
     """Wraps a connector and loses the chunks of `lost` (their notices still go out)."""
 
     def __init__(self, inner: Connector, lost: set[ChunkKey]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.lost = lost
 
     def put(self, key, chunk) -> None:
         if key not in self.lost:
             self.inner.put(key, chunk)
-
-    def get(self, key):
-        return self.inner.get(key)
-
-    def discard(self, keys) -> None:
-        self.inner.discard(keys)
-
-    def __len__(self) -> int:
-        return len(self.inner)
 
 
 def install(pipeline, wrap) -> list[Connector]:
@@ -81,25 +79,16 @@ def install(pipeline, wrap) -> list[Connector]:
     return wrapped
 
 
-class RecordingConnector(Connector):
+class RecordingConnector(_Wrapper):
     """Wraps a connector and keeps a copy of every chunk put (e.g. the talker's frames, per request)."""
 
     def __init__(self, inner: Connector) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.chunks: dict[ChunkKey, object] = {}
 
     def put(self, key, chunk) -> None:
         self.chunks[key] = chunk
         self.inner.put(key, chunk)
-
-    def get(self, key):
-        return self.inner.get(key)
-
-    def discard(self, keys) -> None:
-        self.inner.discard(keys)
-
-    def __len__(self) -> int:
-        return len(self.inner)
 
     def rows(self, request_id: str, name: str):
         import torch

@@ -68,7 +68,8 @@ def run_cases(omni: OmniLLM):
 
 
 def test_tokens_codes_and_waveform_match_transformers(omni_dir, hf_results) -> None:
-    with OmniLLM(omni_dir, qwen3_omni_graph(7, decode_chunk=300, left_context=25), max_model_len=256) as omni:
+    with OmniLLM(omni_dir, qwen3_omni_graph(7, decode_chunk=300, left_context=25), device="cpu",
+                 max_model_len=256, num_kv_blocks=256) as omni:
         ours = run_cases(omni)
     for (out, frames), (thinker, talker, codes, wave, _) in zip(ours, hf_results):
         assert out.error is None
@@ -82,7 +83,8 @@ def test_tokens_codes_and_waveform_match_transformers(omni_dir, hf_results) -> N
 def test_streamed_windows_equal_chunked_decode(omni_dir, hf_results) -> None:
     """Frames streamed one by one and decoded in windows of 4 with 3 of left context: transformers'
     chunked_decode(codes, 4, 3) of the same codes."""
-    with OmniLLM(omni_dir, qwen3_omni_graph(1, decode_chunk=4, left_context=3), max_model_len=256) as omni:
+    with OmniLLM(omni_dir, qwen3_omni_graph(1, decode_chunk=4, left_context=3), device="cpu",
+                 max_model_len=256, num_kv_blocks=256) as omni:
         ours = run_cases(omni)
     for (out, _), (_, _, codes, _, model) in zip(ours, hf_results):
         with torch.no_grad():

@@ -28,8 +28,8 @@ VOICES = ["ethan", "chelsie", "ethan"]
 
 def make_omni(omni_dir: str, chunk_size: int | str, **kwargs) -> OmniLLM:
     # Small decode windows, so a short utterance spans several of them.
-    return OmniLLM(omni_dir, qwen3_omni_graph(chunk_size, decode_chunk=5, left_context=3), max_model_len=256,
-                   **kwargs)
+    return OmniLLM(omni_dir, qwen3_omni_graph(chunk_size, decode_chunk=5, left_context=3), device="cpu",
+                   max_model_len=256, num_kv_blocks=256, **kwargs)
 
 
 def run(omni: OmniLLM, params: list[SamplingParams] | None = None) -> dict[str, OmniOutput]:
