@@ -300,15 +300,42 @@ class Pipeline:
     dead: str | None = None
 
     # ---- driving ---------------------------------------------------------------------------------------
+    # In-process engines: this many rounds in a row with requests left but no stage able to step is a stall
+    # (a request waits for inputs nothing will produce): its requests fail instead of the caller spinning.
+    MAX_IDLE_ROUNDS = 1000
+
     def step(self) -> list[OmniRequestOutput]:
         """In-process engines: one round, each stage's outputs in pipeline order (each stage with work
         steps once). Deliveries held back by a connector are offered again."""
         reports = []
+        busy = False
         for stage in self.graph.order:
             client = self.clients[stage]
             if client.holds_work():
+                busy = True
                 reports += self.process(stage, client.get_outputs())
         self.flush_deliveries()
+        self._idle_rounds = 0 if busy or not self.requests else self._idle_rounds + 1
+        if self._idle_rounds > self.MAX_IDLE_ROUNDS:
+            logger.error("pipeline stalled: requests %s wait for inputs no stage will produce",
+                         ", ".join(sorted(self.requests)))
+            reports += self._fail_stalled()
+        return reports
+
+    _idle_rounds = 0
+
+    def _fail_stalled(self) -> list[OmniRequestOutput]:
+        now = time.monotonic()
+        reports = []
+        for state in list(self.requests.values()):
+            state.error = state.error or ("the pipeline stalled: the request waited for a chunk no stage will send "
+                                          f"(stages still holding it: {', '.join(sorted(state.open_stages))})")
+            for stage in state.open_stages:
+                self.clients[stage].finish_requests([state.request_id])
+            state.open_stages.clear()
+            state.ending = True
+            reports.append(self._report(state, now))
+        self._idle_rounds = 0
         return reports
 
     def stats(self) -> dict[str, Any]:

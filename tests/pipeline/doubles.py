@@ -94,3 +94,14 @@ class RecordingConnector(_Wrapper):
         import torch
         chunks = sorted((k.index, c) for k, c in self.chunks.items() if k.request_id == request_id)
         return torch.cat([c.payload[name] for _, c in chunks if c.num_rows])
+
+
+class DroppingDelivery(_Wrapper):
+    """Wraps a connector and never delivers the notices of `dropped` (a relay that loses them)."""
+
+    def __init__(self, inner: Connector, dropped: set[ChunkKey]) -> None:
+        super().__init__(inner)
+        self.dropped = dropped
+
+    def deliver(self, notices: list[Notice]) -> list[Notice]:
+        return [n for n in notices if n.key not in self.dropped]

@@ -12,7 +12,7 @@ from pellucid.pipeline.omni import OmniLLM, OmniOutput
 from pellucid.pipeline.qwen3_omni import AudioRequest
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import apply_chat_template
-from tests.pipeline.doubles import LosingConnector, ShuffledDelivery, install
+from tests.pipeline.doubles import DroppingDelivery, LosingConnector, ShuffledDelivery, install
 
 TEXT = SamplingParams(temperature=0, max_tokens=14)
 # Greedy, with transformers' default repetition penalty; some requests end at the talker's EOS, others by length.
@@ -107,6 +107,10 @@ def test_abort_mid_utterance_frees_every_stage(omni_dir, reference) -> None:
             omni.add_request(f"r{i}", prompt, TEXT, AudioRequest(VOICES[i], TALKER))
         audio: dict[str, list[torch.Tensor]] = {"r0": [], "r1": []}
         finals = {}
+        pipeline.step()      # the thinker prefilled; the talker and code2wav wait for chunks without steps
+        assert not pipeline.clients["talker"].core.has_unfinished_requests()
+        assert not pipeline.clients["code2wav"].core.has_unfinished_requests()
+        assert pipeline.clients["talker"].core.scheduler.num_waiting == 2
 
         def step() -> None:
             for report in pipeline.step():
@@ -141,3 +145,14 @@ def test_lost_chunk_fails_its_request_only(omni_dir, reference) -> None:
     assert "not in the connector" in failed.error
     for rid in ("r0", "r2"):
         assert_same(outputs[rid], reference[rid])
+
+
+def test_a_notice_never_delivered_is_an_error_not_a_hang(omni_dir) -> None:
+    """A request whose next chunk is never announced fails with an error naming where it waits; the
+    others finish."""
+    with make_omni(omni_dir, 1) as omni:
+        install(omni.pipeline, lambda real: DroppingDelivery(real, {ChunkKey("r0", "talker", "code2wav", 1)}))
+        outputs = run(omni)
+        assert_everything_freed(omni)
+    assert "stalled" in outputs["r0"].error and "code2wav" in outputs["r0"].error
+    assert outputs["r1"].error is None and outputs["r2"].error is None
