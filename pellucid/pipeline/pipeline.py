@@ -61,8 +61,6 @@ class OmniRequestOutput:
 @dataclass
 class _Request:
     request_id: str
-    stages: tuple[str, ...]             # the stages it runs on
-    audio: bool
     arrival: float
     open_stages: set[str] = field(default_factory=set)
     text: RequestOutput | None = None
@@ -118,7 +116,8 @@ class Pipeline:
         self.requests: dict[str, _Request] = {}
         self.num_relayed = 0
         self.num_discarded = 0
-        self.finished_metrics: list[dict[str, float]] = []    # completed requests' metrics, for /metrics
+        self.dead: str | None = None          # why the pipeline cannot serve any more (a stage died)
+        self._idle_rounds = 0                 # in-process rounds in a row in which no stage could step
         logger.info("pipeline ready: %s; edges: %s", " -> ".join(self.graph.order),
                     ", ".join(f"{e.src}->{e.dst} ({e.connector}, chunk {e.chunk_size or 'all'})"
                               for e in self.graph.edges))
@@ -137,7 +136,7 @@ class Pipeline:
         self.requests_builder.check_prompt(processed.prompt_token_ids)
         stage_requests = self.requests_builder.stage_requests(request_id, processed.prompt_token_ids,
                                                               processed.engine_requests[0], audio)
-        state = _Request(request_id, tuple(stage_requests), audio is not None, time.monotonic())
+        state = _Request(request_id, time.monotonic())
         self.output_processor.add(request_id, processed.prompt, processed.prompt_token_ids, params,
                                   processed.child_ids, True, processed.feature_keys)
         sent = []
@@ -201,9 +200,9 @@ class Pipeline:
             if out.finished:
                 state.open_stages.discard(stage)
                 if out.finish_reason in ("abort", "error") and not state.ending:
-                    state.error = out.error or f"the {stage} stage aborted the request"
-                    if out.finish_reason == "error":
-                        state.error = f"{stage} stage: {out.error}"
+                    # A stage ended it on its own (a failure, or its engine aborting it): every stage ends it.
+                    state.error = (f"{stage} stage: {out.error}" if out.finish_reason == "error"
+                                   else f"the {stage} stage aborted the request")
                     self.abort_request(out.request_id)
         if text_outputs:
             for text in self.output_processor.process(text_outputs)[0]:
@@ -262,9 +261,6 @@ class Pipeline:
             state.notices.clear()
             self.requests.pop(state.request_id, None)
         metrics = self._metrics(state)
-        if done:
-            self.finished_metrics.append(metrics)
-            del self.finished_metrics[:-1000]
         return OmniRequestOutput(state.request_id, state.text, audio, self.sample_rate, done, state.error, metrics,
                                  state.stage_tokens if done else {})
 
@@ -297,8 +293,6 @@ class Pipeline:
             reports.append(self._report(state, now))
         return reports
 
-    dead: str | None = None
-
     # ---- driving ---------------------------------------------------------------------------------------
     # In-process engines: this many rounds in a row with requests left but no stage able to step is a stall
     # (a request waits for inputs nothing will produce): its requests fail instead of the caller spinning.
@@ -321,8 +315,6 @@ class Pipeline:
                          ", ".join(sorted(self.requests)))
             reports += self._fail_stalled()
         return reports
-
-    _idle_rounds = 0
 
     def _fail_stalled(self) -> list[OmniRequestOutput]:
         now = time.monotonic()

@@ -81,9 +81,10 @@ class TalkerInputs:
         self.num_code_groups = omni.num_code_groups
         self.multimodal = omni.multimodal_token_ids
         self.token_ids: list[int] = []
-        self._embeds: list[torch.Tensor] = []
-        self._hidden: list[torch.Tensor] = []
-        self._joined: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        # What the thinker sent, [rows, thinker hidden], in buffers that double when full (chunks of one row
+        # each would otherwise cost a copy of everything so far each time).
+        self._embeds = torch.empty(0)
+        self._hidden = torch.empty(0)
         self.tts: torch.Tensor | None = None        # [3, thinker hidden]: bos, eos, pad
         self.ended = False
         self.frames: dict[int, list[int]] = {}      # output token index -> its frame's codes
@@ -93,9 +94,10 @@ class TalkerInputs:
         if "tts_embeds" in payload:
             self.tts = payload["tts_embeds"]
         if num_rows:
+            start = len(self.token_ids)
+            self._embeds = _append(self._embeds, start, payload["embed"])
+            self._hidden = _append(self._hidden, start, payload["hidden"])
             self.token_ids.extend(payload["token_ids"].tolist())
-            self._embeds.append(payload["embed"])
-            self._hidden.append(payload["hidden"])
 
     def finish(self) -> None:
         self.ended = True
@@ -119,7 +121,7 @@ class TalkerInputs:
     def rows(self, start: int, count: int) -> tuple[torch.Tensor, list[int], list[list[int]]]:
         """(thinker vectors [count, H], projection per row, codes per row (padded with -1)) of talker
         positions [start, start + count)."""
-        num_rows, embeds, hidden = self._all_rows()
+        num_rows, embeds, hidden = len(self.token_ids), self._embeds, self._hidden
         if self.tts is None:
             raise RuntimeError("the talker was scheduled before the thinker's first chunk arrived")
         bos, eos, pad = self.tts[0], self.tts[1], self.tts[2]
@@ -161,14 +163,18 @@ class TalkerInputs:
             codes.append(code)
         return torch.stack(vectors), projection, codes
 
-    def _all_rows(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        n = len(self.token_ids)
-        if self._joined is None or self._joined[0] != n:
-            embeds = torch.cat(self._embeds) if self._embeds else torch.empty(0)
-            hidden = torch.cat(self._hidden) if self._hidden else torch.empty(0)
-            self._embeds, self._hidden = [embeds], [hidden]
-            self._joined = (n, embeds, hidden)
-        return self._joined
+
+def _append(buffer: torch.Tensor, start: int, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` written at row `start` of `buffer`, grown (doubled) when they do not fit."""
+    end = start + rows.shape[0]
+    if buffer.dim() != rows.dim() or buffer.shape[0] < end:
+        capacity = 2 * buffer.shape[0] if buffer.dim() == rows.dim() else 0
+        grown = torch.empty((max(end, capacity), *rows.shape[1:]), dtype=rows.dtype)
+        if start:
+            grown[:start] = buffer[:start]
+        buffer = grown
+    buffer[start:end] = rows
+    return buffer
 
 
 def talker_step_inputs(states: list[TalkerInputs], starts: list[int], counts: list[int],
