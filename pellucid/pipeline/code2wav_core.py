@@ -238,8 +238,8 @@ class Code2WavCore:
     @torch.inference_mode()
     def _decode(self, group: list[tuple[_Stream, int, int, int]]) -> None:
         codes = torch.stack([stream.codes(lo, hi) for stream, lo, hi, _ in group])    # [B, T, Q]
-        wav = self.decoder(codes.transpose(1, 2).to(self.device))                     # [B, 1, samples]
-        wav = wav.float().to("cpu")
+        # One window per row; a row's samples past its left context are its window's (chunked_decode).
+        wav = self.decoder(codes.transpose(1, 2).to(self.device)).float().to("cpu")    # [B, 1, samples]
         for row, (stream, lo, hi, context) in enumerate(group):
             stream.audio.append(wav[row, 0, context * self.decoder.total_upsample:])
             self.frames_decoded += hi - stream.decoded

@@ -63,7 +63,7 @@ def test_code2wav_matches_hf_whole_and_chunked(omni_dir, hf_model, chunk: int, c
         pieces, start = [], 0
         while start < codes.shape[-1]:
             lo, hi, ctx = window_bounds(start, codes.shape[-1], chunk, context)
-            pieces.append(code2wav.code2wav.decode_window(codes[..., lo:hi], start, ctx))
+            pieces.append(code2wav.code2wav.decode_window(codes[..., lo:hi], ctx))
             start = hi
     assert torch.allclose(torch.cat(pieces, dim=-1), ref, atol=1e-5)
 

@@ -139,9 +139,9 @@ class Code2Wav(nn.Module):
             hidden = block(hidden)
         return hidden.clamp(min=-1, max=1)
 
-    def decode_window(self, codes: torch.Tensor, start: int, context: int) -> torch.Tensor:
-        """The samples of frames [start, T) of `codes` [B, Q, T'] holding `context` frames before `start`
-        (codes[..., start - context:]): chunked_decode's step for one window."""
+    def decode_window(self, codes: torch.Tensor, context: int) -> torch.Tensor:
+        """The samples of a window's frames, `codes` [B, Q, T] holding `context` frames of left context
+        first: chunked_decode's step for one window."""
         wav = self(codes)
         return wav[..., context * self.total_upsample:]
 
