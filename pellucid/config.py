@@ -41,6 +41,9 @@ class ModelConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None
+    # The stage of a multi-stage checkpoint this engine serves (Qwen3-Omni: "thinker", "talker", "code2wav");
+    # None for a single model. A pipeline (pellucid.pipeline) sets it for each of its engines.
+    submodel: str | None = None
 
 
 @dataclass
@@ -108,6 +111,9 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # The engine core class that serves this config, as "module:Class" (a pipeline stage that is no LLM,
+    # e.g. "pellucid.pipeline.code2wav_core:Code2WavCore"); None: pellucid.engine.engine_core.EngineCore.
+    core: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

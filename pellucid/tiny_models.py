@@ -74,30 +74,38 @@ The spacecraft sent back pictures of a distant planet covered in red dust.
 """
 
 
-def build_tokenizer(out_dir: str, vocab_size: int = 512, model_max_length: int = 512) -> None:
-    """Train a byte-level BPE tokenizer on TRAINING_TEXT and save it as a transformers tokenizer."""
+def build_tokenizer(out_dir: str, vocab_size: int = 512, model_max_length: int = 512,
+                    extra_special_tokens: tuple[str, ...] = (), added_tokens: tuple[str, ...] = ()) -> None:
+    """Train a byte-level BPE tokenizer on TRAINING_TEXT and save it as a transformers tokenizer.
+
+    `extra_special_tokens` join SPECIAL_TOKENS (inside `vocab_size`); `added_tokens` are plain words that
+    always encode as one token each (ids from `vocab_size` on), as a real vocabulary would hold them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    special_tokens = SPECIAL_TOKENS + list(extra_special_tokens)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(f"the embedded training text supports at most {tokenizer.get_vocab_size()} tokens, "
                          f"asked for vocab_size={vocab_size}")
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
 
-    save_transformers_tokenizer(tokenizer, out_dir, model_max_length)
+    save_transformers_tokenizer(tokenizer, out_dir, model_max_length, special_tokens)
 
 
-def save_transformers_tokenizer(tokenizer: Any, out_dir: str, model_max_length: int) -> None:
-    """Write a `tokenizers.Tokenizer` that holds SPECIAL_TOKENS as a transformers fast tokenizer with the
-    ChatML template (tokenizer.json, tokenizer_config.json, special_tokens_map.json)."""
+def save_transformers_tokenizer(tokenizer: Any, out_dir: str, model_max_length: int,
+                                special_tokens: list[str] = SPECIAL_TOKENS) -> None:
+    """Write a `tokenizers.Tokenizer` that holds `special_tokens` (SPECIAL_TOKENS first) as a transformers
+    fast tokenizer with the ChatML template (tokenizer.json, tokenizer_config.json, special_tokens_map.json)."""
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"), pretty=True)
-    special = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    special = {token: tokenizer.token_to_id(token) for token in special_tokens}
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,

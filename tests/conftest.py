@@ -37,3 +37,11 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_dir(tiny_model_factory) -> str:
     return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def omni_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen3-Omni checkpoint (thinker, talker, code2wav) with its tokenizer."""
+    from pellucid.tiny_omni import build_tiny_omni
+
+    return build_tiny_omni(str(tmp_path_factory.mktemp("qwen3-omni")))

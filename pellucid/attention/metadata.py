@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -51,20 +52,22 @@ class ForwardContext:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-_CURRENT: ForwardContext | None = None
+# Per thread: engines in threads of one process (a pipeline's stages, ThreadedClient) step concurrently.
+_CURRENT = threading.local()
 
 
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    global _CURRENT
-    previous, _CURRENT = _CURRENT, ctx
+    previous = getattr(_CURRENT, "ctx", None)
+    _CURRENT.ctx = ctx
     try:
         yield ctx
     finally:
-        _CURRENT = previous
+        _CURRENT.ctx = previous
 
 
 def get_forward_context() -> ForwardContext:
-    if _CURRENT is None:
+    ctx = getattr(_CURRENT, "ctx", None)
+    if ctx is None:
         raise RuntimeError("model forward called outside pellucid.attention.metadata.forward_context()")
-    return _CURRENT
+    return ctx

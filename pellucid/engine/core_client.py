@@ -26,7 +26,7 @@ from typing import Any
 
 from pellucid.config import EngineConfig
 from pellucid.engine.core_loop import EngineCoreLoop
-from pellucid.engine.engine_core import EngineCore, EngineInfo
+from pellucid.engine.engine_core import EngineCore, EngineInfo, build_core
 from pellucid.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineStats, FinishRequests, Shutdown,
                                       UtilityCall, UtilityResult)
 from pellucid.logger import get_logger
@@ -70,6 +70,16 @@ class EngineCoreClient(ABC):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return await asyncio.wrap_future(self._start_utility(method, args))
+
+    def start_utility(self, method: str, *args: Any) -> "Future[Any]":
+        """Send a utility call without waiting for it: its result (or error) arrives in the Future. A core
+        stepped by its caller runs it at once."""
+        future: Future[Any] = Future()
+        try:
+            future.set_result(self.call_utility(method, *args))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     def _start_utility(self, method: str, args: tuple[Any, ...]) -> "Future[Any]":
         raise NotImplementedError(f"{type(self).__name__} serves synchronous frontends only")
@@ -124,7 +134,7 @@ class InprocClient(EngineCoreClient):
     """The core in the caller's thread: each get_outputs() is one engine step."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self._core = EngineCore(config)
+        self._core = build_core(config)
         self.info = self._core.info()
 
     @property
@@ -156,8 +166,7 @@ class InprocClient(EngineCoreClient):
         return self._core.utility(method)(*args)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        if self._core.scheduler.has_unfinished_requests():
-            self._core.abort_all()
+        self._core.abort_all()
 
 
 class OutputMailbox:
@@ -230,6 +239,9 @@ class BackgroundClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return self._start_utility(method, args).result()
+
+    def start_utility(self, method: str, *args: Any) -> "Future[Any]":
+        return self._start_utility(method, args)
 
     def _start_utility(self, method: str, args: tuple[Any, ...]) -> "Future[Any]":
         self._check_alive()
@@ -305,7 +317,7 @@ class ThreadedClient(BackgroundClient):
             # server on an H100 (Qwen3-0.6B shape, 300 streamed requests at once): serial steps gave 5,783
             # output tok/s, stepping ahead 4,429. Asking for async_scheduling=True still turns it on.
             config.scheduler.async_scheduling = False
-        self._core = EngineCore(config)
+        self._core = build_core(config)
         self.info = self._core.info()
         self.latest_stats = self._core.stats()
         self._inputs: queue.Queue[Any] = queue.Queue()

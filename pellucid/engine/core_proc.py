@@ -80,8 +80,8 @@ def main() -> None:
     inputs.connect(settings.input_address)
     encoder = MessageEncoder()
     try:
-        from pellucid.engine.engine_core import EngineCore
-        core = EngineCore(settings.config)
+        from pellucid.engine.engine_core import build_core
+        core = build_core(settings.config)
         info = core.info(probe_sites=True)
     except BaseException as exc:
         logger.error("the engine core could not start:\n%s", traceback.format_exc())

@@ -73,6 +73,8 @@ class EngineInfo:
     cuda_graphs: bool
     lm_head: dict[str, Any]
     tensor_parallel_size: int = 1
+    # The decoder's module path: "model" (model.layers.N), or a stage's (Qwen3-Omni's thinker: "thinker.model").
+    backbone: str = "model"
     # The traceable sites (pellucid.tracing.sites.SiteTable). In the engine's own process it is probed on
     # first use (a tiny forward); an engine in another process probes it before publishing its info.
     site_table_loader: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
@@ -111,7 +113,10 @@ class EngineCore:
         self.max_model_len, self.runner, self.num_blocks = rank.max_model_len, rank.runner, rank.num_blocks
         self.model_name = mc.served_model_name or mc.model
         sc = config.scheduler
-        self.eos_token_ids = _eos_token_ids(mc.model, mc.tokenizer or mc.model, self.hf_config)
+        # A model whose vocabulary is not the tokenizer's (a pipeline stage's codec tokens) names its own EOS ids.
+        model_eos = getattr(self.model, "eos_token_ids", None)
+        self.eos_token_ids = set(model_eos) if model_eos is not None else \
+            _eos_token_ids(mc.model, mc.tokenizer or mc.model, self.hf_config)
         self._resolve_prefix_caching()
         self.block_pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -159,8 +164,9 @@ class EngineCore:
         supported = self.runner.supports_prefix_caching
         if not supported and asked is not False:
             arch = type(self.model).__name__
-            reason = (f"{arch} keeps per-request recurrent state that cached attention KV cannot restore, "
-                      "so every request computes its prompt from the start")
+            reason = getattr(self.model, "no_prefix_caching_reason", None) or (
+                f"{arch} keeps per-request recurrent state that cached attention KV cannot restore, "
+                "so every request computes its prompt from the start")
             if asked:
                 logger.warning("enable_prefix_caching=True was asked for, but prefix caching is off: %s", reason)
             else:
@@ -184,7 +190,8 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens, enable_chunked_prefill=sc.enable_chunked_prefill,
             enable_prefix_caching=bool(config.cache.enable_prefix_caching), async_scheduling=self.async_scheduling,
             attention_backend=self.runner.backend.name, cuda_graphs=self.runner.cuda_graphs is not None,
-            lm_head=self.runner.head.describe(), tensor_parallel_size=config.parallel.tensor_parallel_size)
+            lm_head=self.runner.head.describe(), tensor_parallel_size=config.parallel.tensor_parallel_size,
+            backbone=getattr(self.model, "backbone_path", "model"))
         if probe_sites:
             info._site_table = site_table(self.runner)
         else:
@@ -196,6 +203,9 @@ class EngineCore:
         """ValueError naming what is wrong with a prompt's token ids (the frontend checks the same first)."""
         check_prompt_ids(ids, self.runner.head.vocab_size, self.max_model_len,
                          self.config.scheduler.enable_chunked_prefill, self.config.scheduler.max_num_batched_tokens)
+        model_check = getattr(self.model, "check_prompt_ids", None)    # a model that reads only some ids
+        if model_check is not None:
+            model_check(ids)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; ValueError (nothing queued) when it cannot run."""
@@ -208,6 +218,10 @@ class EngineCore:
             raise ValueError(f"the engine core runs one sequence per request (got n={params.n}); the frontend "
                              "fans n > 1 out")
         self.check_prompt_ids(request.prompt_token_ids)
+        missing = [key for key in getattr(self.model, "required_extras", ()) if key not in (request.extras or {})]
+        if missing:
+            raise ValueError(f"{type(self.model).__name__} serves requests carrying {', '.join(missing)} only (a "
+                             "pipeline stage whose inputs come from the previous stage: serve it as a pipeline)")
         req = Request(rid, request.prompt_token_ids, params, self.eos_token_ids,
                       arrival_time=request.arrival_time, max_model_len=self.max_model_len)
         req.stream_outputs = request.stream
@@ -251,22 +265,27 @@ class EngineCore:
         for req in ended:
             self._pending[req.request_id] = req
 
+    def fail_requests(self, request_ids: list[str], error: str) -> None:
+        """End requests now with `error` (a feature found their inputs broken); unknown ids are ignored."""
+        ended = [self.scheduler.requests[rid] for rid in request_ids if rid in self.scheduler.requests]
+        self.scheduler.finish_requests([r.request_id for r in ended], RequestStatus.FINISHED_ERROR)
+        for req in ended:
+            req.error = error
+            self._pending[req.request_id] = req
+        self.features.after_finish(ended)
+
     def abort_all(self, error: str | None = None) -> None:
         """End every unfinished request (shutdown, a failed step): aborted, or failed with `error`."""
         ids = list(self.scheduler.requests)
         if error is None:
             self.finish_requests(ids)
             return
-        ended = [self.scheduler.requests[rid] for rid in ids]
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        for req in ended:
-            req.error = error
-            self._pending[req.request_id] = req
-        self.features.after_finish(ended)
+        self.fail_requests(ids, error)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a step() now would do or report anything."""
-        return (self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._refused)
+        """Whether a step() now would do or report anything (requests that wait for a pipeline stage's
+        inputs do not count: they wait without steps)."""
+        return (self.scheduler.has_runnable_requests() or bool(self._pending) or bool(self._refused)
                 or self._in_flight is not None or not self._deferred_done.empty())
 
     def has_deferred_outputs(self) -> bool:
@@ -369,6 +388,8 @@ class EngineCore:
         new = tokens[reported:] if reported else list(tokens)
         req.num_reported_tokens = len(tokens)
         out = EngineCoreOutput(req.request_id, new, num_cached_tokens=max(req.num_cached_tokens, 0))
+        if req.events:
+            out.events, req.events = req.events, None
         if ro is not None:
             rid = req.request_id
             if ro.logprobs and rid in ro.logprobs and new:
@@ -475,6 +496,20 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use (vLLM's reset_prefix_cache); returns how many."""
         return self.block_pool.reset_prefix_cache()
+
+
+def build_core(config: EngineConfig) -> Any:
+    """The engine core of `config`: an EngineCore, or the class `config.core` names ("module:Class", a
+    pipeline stage's own core speaking the same protocol)."""
+    if config.core is None:
+        return EngineCore(config)
+    import importlib
+    module, _, name = config.core.partition(":")
+    try:
+        core_class = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"engine core {config.core!r} cannot be imported: {exc}") from exc
+    return core_class(config)
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, chunked_prefill: bool,

@@ -120,6 +120,7 @@ def _load_builtin_and_plugins() -> None:
     # The built-in features register themselves on import.
     import pellucid.engine.cache_salt  # noqa: F401
     import pellucid.extraction.sink  # noqa: F401
+    import pellucid.pipeline.stage_features  # noqa: F401
     import pellucid.tracing.feature  # noqa: F401
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _FEATURES:

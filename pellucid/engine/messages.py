@@ -88,6 +88,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     num_cached_tokens: int = 0
     extras: dict[str, Any] | None = None      # feature outputs (saves, ...), in the final output only
+    # What features report while the request runs, since its last output (a pipeline stage's chunk notices
+    # and audio, pellucid/pipeline); None for most requests.
+    events: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

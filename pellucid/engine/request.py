@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from typing import Any
 
@@ -84,6 +85,12 @@ class Request:
         # Report every step it progresses (True) or only when it finishes (see EngineCoreRequest.stream).
         self.stream_outputs = True
         self.num_reported_tokens = 0         # output tokens already reported to the frontend
+        # Positions whose inputs are here: the scheduler computes none at or past it. A pipeline stage's
+        # request lowers it while it waits for the previous stage's next chunk (pellucid/pipeline).
+        self.input_limit = sys.maxsize
+        # What features report while the request runs (a pipeline stage's chunk notices), sent with its next
+        # output and cleared (EngineCoreOutput.events).
+        self.events: dict[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

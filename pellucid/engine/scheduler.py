@@ -22,6 +22,13 @@ one (max_tokens / max_model_len). The engine schedules ahead only while every re
 (`Request.can_step_ahead`: no host-side token history needed). A step scheduled ahead never preempts,
 since a victim's tokens and KV are still being computed: when the pool runs dry it schedules what fit
 and sets `ahead_blocked`, and the engine runs the next step serially.
+
+Streaming inputs (a pipeline stage's request, pellucid/pipeline): positions at or past
+`request.input_limit` have no inputs yet. Such a request computes up to there (no sampling before its
+inputs reach its sequence's end), then is passed over without losing its blocks or its place, while the
+others run; a waiting one is passed over too, not in the way of those behind it. When nothing else can
+run, `waiting_for_inputs` tells the engine to sleep until the stage's input feature calls
+`inputs_changed()`.
 """
 from __future__ import annotations
 
@@ -68,6 +75,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()        # freed since the last schedule(), for the runner
         self._finished_unreported: list[Request] = []   # ended by the scheduler itself, for the engine
         self.ahead_blocked = False    # the last step scheduled ahead ran out of KV blocks (see module doc)
+        # The last schedule() found every unfinished request waiting for inputs (see module doc).
+        self.waiting_for_inputs = False
 
         # Counters for tests and metrics.
         self.num_steps = 0
@@ -88,6 +97,14 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def has_runnable_requests(self) -> bool:
+        """Unfinished requests that a step could advance (not all of them waiting for stage inputs)."""
+        return bool(self.running or self.waiting) and not self.waiting_for_inputs
+
+    def inputs_changed(self) -> None:
+        """A request's input_limit rose: schedule again."""
+        self.waiting_for_inputs = False
 
     def _priority(self, request: Request) -> tuple[float, int]:
         return self._order[request.request_id]
@@ -112,6 +129,7 @@ class Scheduler:
         self.requests[rid] = request
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self.waiting_for_inputs = False
 
     # ---- scheduling -----------------------------------------------------------------------------
     def schedule(self, ahead: bool = False) -> SchedulerOutput:
@@ -145,6 +163,7 @@ class Scheduler:
         running = self.running
         kv = self.kv
         no_work_limit = kv.no_work_limits.get
+        num_input_blocked = 0
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -156,6 +175,17 @@ class Scheduler:
             # schedules ahead only when every request can_step_ahead.
             if pending and num_known >= request.max_total_tokens:
                 index += 1      # its pending token is its last
+                continue
+            if request.input_limit < num_known:
+                # A pipeline stage's request: compute what has inputs, then wait for the next chunk.
+                if request.input_limit <= num_computed:
+                    num_input_blocked += 1
+                    index += 1
+                    continue
+                num_new = self._num_tokens_to_schedule(request, num_computed, budget)
+                if num_new and kv.allocate_slots(request, num_new):    # (a full pool: it retries next step)
+                    add(request, num_computed, num_new)
+                index += 1
                 continue
             num_new = num_known - num_computed
             if 0 < num_new <= budget and num_known <= no_work_limit(request.request_id, 0):
@@ -200,9 +230,13 @@ class Scheduler:
                 index += 1
 
         # Waiting requests, FCFS; none after a preemption, which would re-admit what was just evicted.
+        passed_over: list[Request] = []     # waiting for their first inputs: they keep their place
         while self.waiting and budget > 0 and not out.preempted_request_ids and not self.ahead_blocked \
                 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.input_limit == 0:
+                passed_over.append(self.waiting.popleft())
+                continue
             if not self.kv.can_ever_fit(request.num_tokens):
                 self.waiting.popleft()
                 self._finish_unscheduled(request, self._too_big_message(request))
@@ -219,6 +253,10 @@ class Scheduler:
             self.prefix_cache_hit_tokens += num_cached
             bisect.insort(self.running, request, key=self._priority)
             add(request, num_cached, num_new)
+        if passed_over:
+            self.waiting.extendleft(reversed(passed_over))
+        self.waiting_for_inputs = out.is_empty and num_input_blocked == len(self.running) and \
+            self._nothing_but_inputs_can_help(num_input_blocked)
 
         out.finished_request_ids = self._finished_ids
         self._finished_ids = set()
@@ -227,9 +265,17 @@ class Scheduler:
         self.total_prompt_tokens += prompt_tokens
         return out
 
+    def _nothing_but_inputs_can_help(self, num_running_blocked: int) -> bool:
+        """After a step that scheduled nothing while every running request waits for inputs: whether the
+        waiting queue is stuck too (empty, all waiting for their first inputs, or behind max_num_seqs), and
+        something waits for inputs at all."""
+        waiting_blocked = all(r.input_limit == 0 for r in self.waiting)
+        stuck = waiting_blocked or len(self.running) >= self.max_num_seqs
+        return stuck and (num_running_blocked > 0 or (bool(self.waiting) and waiting_blocked))
+
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens of `request` to compute this step given `budget`; 0 when it must wait."""
-        remaining = request.num_tokens - num_computed
+        remaining = min(request.num_tokens, request.input_limit) - num_computed
         if remaining <= budget:
             return remaining
         chunkable = self.chunked_prefill or remaining > self.max_num_batched_tokens
@@ -336,3 +382,4 @@ class Scheduler:
         self.requests.pop(rid, None)
         self._order.pop(rid, None)
         self._finished_ids.add(rid)
+        self.waiting_for_inputs = False

@@ -78,7 +78,7 @@ class ServerExtraction:
                              f"model); use save ops in interventions instead")
         if "layers" not in value:
             raise ValueError(f"{FIELD} needs 'layers' (decoder-layer indices, -1 for the final normed output)")
-        spec = ExtractionSpec.resolve(value["layers"], self.llm.info.num_hidden_layers)
+        spec = ExtractionSpec.resolve(value["layers"], self.llm.info.num_hidden_layers, self.llm.info.backbone)
         return ExtractionRequest(spec, output)
 
     async def extract(self, request: ExtractionRequest, prompt_ids: list[int], completion_ids: list[int],

@@ -248,7 +248,7 @@ class SinkError(ExtractionError):
 def _make_job(data: Any, layers: Any, output_dir: str, generate: SamplingParams | None, shard_size: int,
               skip_invalid: bool, tokenizer: Any, info: Any, call: Callable[..., Any]) -> ExtractionJob:
     """A job for an engine described by `info` (EngineInfo), whose utilities `call` runs."""
-    spec = ExtractionSpec.resolve(layers, info.num_hidden_layers)
+    spec = ExtractionSpec.resolve(layers, info.num_hidden_layers, info.backbone)
     sink = EngineSink(call, output_dir, job_info(info.model_name, info.model, info.dtype, spec, info.hidden_size,
                                                  generate), shard_size)
     try:

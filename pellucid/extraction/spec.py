@@ -24,17 +24,19 @@ def _save_name(layer: int) -> str:
     return "extract.final" if layer == FINAL_NORMED else f"extract.layer{layer}"
 
 
-def _site(layer: int) -> str:
-    return "model" if layer == FINAL_NORMED else f"model.layers.{layer}"
+def _site(layer: int, backbone: str = "model") -> str:
+    return backbone if layer == FINAL_NORMED else f"{backbone}.layers.{layer}"
 
 
 @dataclass(frozen=True)
 class ExtractionSpec:
     layers: tuple[int, ...]
     num_model_layers: int
+    # The decoder's module path (EngineInfo.backbone): "model", or e.g. Qwen3-Omni's thinker's "thinker.model".
+    backbone: str = "model"
 
     @classmethod
-    def resolve(cls, layers: Any, num_model_layers: int) -> "ExtractionSpec":
+    def resolve(cls, layers: Any, num_model_layers: int, backbone: str = "model") -> "ExtractionSpec":
         """Validated layer ids; ValueError naming the problem (out of range, duplicate, not an int)."""
         if isinstance(layers, int) and not isinstance(layers, bool):
             layers = [layers]
@@ -48,18 +50,18 @@ class ExtractionSpec:
                                  f"(valid ids 0..{num_model_layers - 1}, or -1 for the final normed output)")
         if len(set(layers)) != len(layers):
             raise ValueError(f"layers must not repeat, got {list(layers)}")
-        return cls(tuple(layers), num_model_layers)
+        return cls(tuple(layers), num_model_layers, backbone)
 
     @property
     def sites(self) -> list[str]:
-        return [_site(layer) for layer in self.layers]
+        return [_site(layer, self.backbone) for layer in self.layers]
 
     def trace_plan(self, keep_on_device: bool = False) -> TracePlan:
         """Save ops at every position of the request (phase all): a traced request never reads the
         prefix cache, and saves are stored per position, so chunking and preemption cannot lose rows.
         `keep_on_device`: the finished request's saves stay on the GPU (the job copies them to the host
         itself, off the step loop: staging.py)."""
-        return TracePlan([Save(site=_site(layer), name=_save_name(layer)) for layer in self.layers],
+        return TracePlan([Save(site=_site(layer, self.backbone), name=_save_name(layer)) for layer in self.layers],
                          keep_saves_on_device=keep_on_device)
 
     def extras(self, keep_on_device: bool = False) -> dict[str, Any]:

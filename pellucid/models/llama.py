@@ -197,7 +197,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **factory)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        return self.forward_embeds(self.embed_tokens(input_ids))
+
+    def forward_embeds(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layers and the final norm over input embeddings [T, hidden] (a model whose inputs are not
+        token embeddings, e.g. Qwen3-Omni's talker, calls this)."""
         normed: torch.Tensor | None = None    # the next layer's input_layernorm output, when fused ahead
         num_layers = len(self.layers)
         for i, layer in enumerate(self.layers):

@@ -40,13 +40,17 @@ def read_hf_config(model_dir: str) -> Any:
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
-               max_model_len: int | None = None) -> tuple[nn.Module, Any]:
-    """Return (model in eval mode on `device` with every parameter loaded, hf_config)."""
+               max_model_len: int | None = None, submodel: str | None = None) -> tuple[nn.Module, Any]:
+    """Return (model in eval mode on `device` with every parameter loaded, hf_config).
+
+    `submodel`: the stage of a multi-stage checkpoint to load (Qwen3-Omni's "thinker", "talker",
+    "code2wav"); its model reads only its own tensors (`checkpoint_prefixes`) and the config returned is
+    the one the engine sizes itself by (`engine_hf_config`, e.g. the thinker's text config)."""
     hf_config = read_hf_config(model_dir)
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"{os.path.join(model_dir, 'config.json')} names no architecture (`architectures` is empty)")
-    model_class = get_model_class(architectures[0])
+    model_class = get_model_class(architectures[0], submodel)
     _, tp_size = tensor_parallel_rank_and_size()
     if tp_size > 1 and not getattr(model_class, "supports_tensor_parallel", False):
         raise NotImplementedError(f"{architectures[0]} does not support tensor parallelism yet "
@@ -64,8 +68,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     else:
         _load_weights(model, model_dir)
     model.eval()
-    logger.info("loaded %s from %s (%s, %s)", architectures[0], model_dir, dtype, device)
-    return model, hf_config
+    logger.info("loaded %s%s from %s (%s, %s)", architectures[0], f" ({submodel})" if submodel else "", model_dir,
+                dtype, device)
+    return model, getattr(model, "engine_hf_config", hf_config)
 
 
 def _load_weights(model: nn.Module, model_dir: str) -> None:
@@ -80,10 +85,12 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     modules = dict(model.named_modules())
     tied_lm_head = "lm_head.weight" not in params
     resolve = getattr(model, "checkpoint_target", None)
+    # A stage of a multi-stage checkpoint reads the tensors under its prefixes only (None: every tensor).
+    prefixes = getattr(model, "checkpoint_prefixes", None)
     filled: dict[str, int] = defaultdict(int)     # parameter name -> elements written
     unexpected: list[str] = []
     with torch.no_grad():
-        for path, name, stored in _iter_checkpoint(model_dir):
+        for path, name, stored in _iter_checkpoint(model_dir, prefixes):
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
                 continue
             target = resolve(name) if resolve is not None else None
@@ -200,15 +207,19 @@ class _StoredTensor:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, _StoredTensor]]:
+def _iter_checkpoint(model_dir: str, prefixes: tuple[str, ...] | None = None
+                     ) -> Iterator[tuple[str, str, _StoredTensor]]:
     for path, names in checkpoint_files(model_dir).items():
+        if prefixes is not None and not any(name.startswith(prefixes) for name in names):
+            continue        # a shard of another stage: not even opened
         with _open_safetensors(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise ValueError(f"tensor {name!r} is listed for {path} in the index but the file lacks it")
             for name in sorted(present):
-                yield path, name, _StoredTensor(f, path, name)
+                if prefixes is None or name.startswith(prefixes):
+                    yield path, name, _StoredTensor(f, path, name)
 
 
 def read_tensors(model_dir: str, names: list[str]) -> dict[str, torch.Tensor]:

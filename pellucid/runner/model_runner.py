@@ -21,10 +21,11 @@ from pellucid.runner.buffers import StepBuffers
 from pellucid.runner.cuda_graphs import DecodeCudaGraphs, default_graph_sizes, graphs_unavailable_reason
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.runner.sampler import Sampler, gather_logprobs, host_to_device
-from pellucid.runner.sampling_metadata import LogprobsTensors, SamplingMetadata
+from pellucid.runner.sampling_metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
 from pellucid.sampling_params import SamplingParams
 from pellucid.runner.sampling_metadata_builder import build_sampling_metadata
 from pellucid.runner.state_pool import RecurrentStatePool
+from pellucid.runner.step_hooks import StepHook
 from pellucid.tracing.hooks import StepTrace
 from pellucid.tracing.plan import TRACE_KEY
 from pellucid.tracing.taps import TapRuntime
@@ -53,6 +54,7 @@ class LaunchedStep:
     prompt_logprobs: list[tuple[str, int, LogprobsTensors]] = field(default_factory=list)
     trace: StepTrace | None = None
     ready: torch.cuda.Event | None = None
+    hook_handles: list[tuple[StepHook, Any]] = field(default_factory=list)   # step hooks' (hook, handle)
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +100,11 @@ class ModelRunner:
         self.reads_results = self.tp is None or self.tp.is_driver
         backend_cls = choose_backend(config.runner.attention_backend, device)
         self.backend = backend_cls(model.num_attention_heads, model.num_kv_heads, model.head_dim, dtype, device)
-        self.head = build_head(config.head.name, model.lm_head.weight, config.head.options, config.model.model,
-                               vocab_shard=getattr(model.lm_head, "vocab_shard", None))
+        # A model whose sampling is its own (Qwen3-Omni's talker: a frame of codes per row) makes its head.
+        make_head = getattr(model, "make_lm_head", None)
+        self.head = make_head(config.head.name) if make_head is not None else \
+            build_head(config.head.name, model.lm_head.weight, config.head.options, config.model.model,
+                       vocab_shard=getattr(model.lm_head, "vocab_shard", None))
         self.sampler = Sampler()
         self.buffers = StepBuffers(max_num_batched_tokens, self.max_num_reqs,
                                    math.ceil(max_model_len / self.block_size), device)
@@ -129,6 +134,15 @@ class ModelRunner:
         # Recorded after each step's host-to-device input copies: the pinned host buffers they read are
         # rewritten by the next step's batch building, which may run while that step is in flight.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.step_hooks: list[StepHook] = []     # installed by engine features (runner/step_hooks.py)
+
+    def add_step_hook(self, hook: StepHook) -> None:
+        if hook not in self.step_hooks:
+            self.step_hooks.append(hook)
+
+    def remove_step_hook(self, hook: StepHook) -> None:
+        if hook in self.step_hooks:
+            self.step_hooks.remove(hook)
 
     @property
     def trace_possible(self) -> bool:
@@ -265,6 +279,10 @@ class ModelRunner:
         if len(batch.pending_rows):
             self._feed_pending_tokens(so.requests, batch)
         extras = self.state_pool.prepare(so) if self.state_pool is not None else None
+        for hook in self.step_hooks:
+            hook_extras = hook.before_forward(so, batch)
+            if hook_extras:
+                extras = {**(extras or {}), **hook_extras}
         if trace is not None:
             trace.prepare(batch.num_padded_tokens, graph=graph_size is not None)
         if graph_size is not None:
@@ -275,7 +293,13 @@ class ModelRunner:
             with trace.hooks() if trace is not None else contextlib.nullcontext():
                 hidden = self._forward(batch, extras)
         # ---- tracing + CUDA graphs (end) ----
-        return self._launch_sampling(batch, hidden, trace)
+        step, sampled = self._launch_sampling(batch, hidden, trace)
+        for hook in self.step_hooks:
+            step.hook_handles.append((hook, hook.after_sampling(so, batch, hidden, sampled)))
+        if hidden.device.type == "cuda":
+            step.ready = torch.cuda.Event()     # after every copy to the host this step queued
+            step.ready.record()
+        return step
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for the step's results and read them: the step's one device-to-host read."""
@@ -300,6 +324,8 @@ class ModelRunner:
             out.prompt_logprobs[rid] = (first, (p_ids, p_lps, p_ranks))
         if step.trace is not None:
             step.trace.finish_step(out)
+        for hook, handle in step.hook_handles:
+            hook.after_readback(handle)
         if step is self._last_sampled_by:
             # No step was launched after this one, so the next is scheduled with every token on the host and
             # none pending: its sampled ids are not needed, nor its requests (finished ones among them) kept.
@@ -385,10 +411,12 @@ class ModelRunner:
         self._sampling_cache = (params, sampling) if static else None
         return sampling
 
-    def _launch_sampling(self, batch: StepBatch, hidden: torch.Tensor, trace: StepTrace | None) -> LaunchedStep:
+    def _launch_sampling(self, batch: StepBatch, hidden: torch.Tensor, trace: StepTrace | None
+                         ) -> tuple[LaunchedStep, SamplerOutput | None]:
         """Queue LM head + sampler (and prompt logprobs) and the copies of their results to the host."""
         requests = batch.sample_requests
         step = LaunchedStep(list(map(_request_id, requests)), [], trace=trace)
+        result = None
         self._last_sampled = self._last_sampled_by = None
         if trace is not None:
             trace.apply_logits_ops(self.head, hidden)   # `logits` site: exact logits, edits reach the sampler
@@ -423,7 +451,4 @@ class ModelRunner:
             lps = gather_logprobs(logits, targets, k)
             if self.reads_results:
                 step.prompt_logprobs.append((plr.request.request_id, plr.first_position, _logprobs_to_host(lps)))
-        if hidden.device.type == "cuda":
-            step.ready = torch.cuda.Event()
-            step.ready.record()
-        return step
+        return step, result

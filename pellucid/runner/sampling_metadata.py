@@ -70,6 +70,9 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor          # [R] int64
     logprobs: LogprobsTensors | None = None
+    # Ids a head samples beside each row's token ([R, k]; Qwen3-Omni's talker: the frame's codes), read by
+    # the model's stage outputs (pellucid.pipeline), not by the engine.
+    extra_token_ids: torch.Tensor | None = None
 
 
 def merge_sampler_outputs(num_rows: int, parts: list[tuple[torch.Tensor, SamplerOutput]]) -> SamplerOutput:

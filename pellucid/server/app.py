@@ -375,6 +375,7 @@ class OpenAIServer:
         body = await self.parse(request, ChatCompletionRequest)
         self.check_model(body.model)
         body.check_unsupported()
+        body.check_text_only()
         prompt_ids = self.chat_prompt(body, body.messages, body.continue_final_message)
         top_logprobs = body.num_logprobs()
         params = body.sampling_params(body.effective_max_tokens(), top_logprobs)

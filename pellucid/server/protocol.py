@@ -190,6 +190,22 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's audio output: modalities ["text", "audio"] and audio {"voice", "format"} (a speech pipeline
+    # serves them, pellucid/server/omni_app.py; a text model refuses them).
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+
+    def wants_audio(self) -> bool:
+        """Whether the client asked for audio output (checked: known modalities, audio settings given)."""
+        modalities = self.modalities or ["text"]
+        unknown = [m for m in modalities if m not in ("text", "audio")]
+        if unknown or "text" not in modalities:
+            raise ProtocolError(f"modalities must be ['text'] or ['text', 'audio'], got {modalities}",
+                                param="modalities")
+        if "audio" in modalities and not self.audio:
+            raise ProtocolError("audio output needs the audio parameter: {\"voice\": ..., \"format\": \"wav\"}",
+                                param="audio")
+        return "audio" in modalities
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -210,6 +226,12 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.add_generation_prompt and self.continue_final_message:
             raise ProtocolError("add_generation_prompt and continue_final_message cannot both be true",
                                 param="continue_final_message")
+
+    def check_text_only(self) -> None:
+        """A text model's server: audio output is refused, not ignored."""
+        if self.wants_audio():
+            raise ProtocolError("this model writes text only; audio output needs a speech model (e.g. Qwen3-Omni "
+                                "served as a pipeline)", param="modalities")
 
 
 class UsageInfo(BaseModel):

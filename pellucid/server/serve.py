@@ -38,6 +38,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
+    from pellucid.server.omni_serve import add_pipeline_args
+    add_pipeline_args(parser)
     parser.set_defaults(func=run_server)
     return parser
 
@@ -53,6 +55,13 @@ def run_server(args: argparse.Namespace) -> int:
         from pellucid.default_model import DEFAULT_MODEL_NAME, ensure_default_model
         model = ensure_default_model()
         logger.info("serving the embedded default model %s", DEFAULT_MODEL_NAME)
+    from pellucid.server.omni_serve import is_pipeline_checkpoint, run_pipeline_server
+    if is_pipeline_checkpoint(model):       # a speech model: its stages as a pipeline (docs/pipelines.md)
+        return run_pipeline_server(args, model, engine_kwargs_from_args(args))
+    if args.pipeline_config is not None or args.chunk_size is not None:
+        logger.error("--pipeline-config and --chunk-size are for pipeline checkpoints (Qwen3-Omni); %s is one model",
+                     model)
+        return 2
     served_name = args.served_model_name or args.model
     try:
         llm = AsyncLLM(model, served_model_name=served_name, **engine_kwargs_from_args(args))

@@ -196,6 +196,12 @@ class Trace:
     def lm_head(self) -> ModuleProxy:
         return self._module("lm_head")
 
+    def __getattr__(self, name: str) -> ModuleProxy:
+        """Any other top-level module by its HF name (Qwen3-Omni's thinker stage: `tr.thinker.model...`)."""
+        if name.startswith("_") or name not in self.__dict__.get("_paths", ()):
+            raise AttributeError(f"{type(self).__name__} has no attribute or top-level module {name!r}")
+        return self._module(name)
+
     @property
     def logits(self) -> Point:
         """Exact full-vocabulary logits (float32) at each selected position."""

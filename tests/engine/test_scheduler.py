@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -490,3 +491,49 @@ def test_decode_shortcut_schedules_like_allocate_slots(config: str, seed: int, a
                         scheduler.num_preemptions, scheduler.prefix_cache_hit_tokens, scheduler.total_prompt_tokens,
                         scheduler.total_generated_tokens, kv.prefix_cache_hits, pool.num_cached_blocks))
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_streaming_inputs_wait_without_steps_and_keep_their_blocks(seed: int) -> None:
+    """Requests whose inputs arrive bit by bit (a pipeline stage's): never computed past input_limit, passed
+    over while blocked without losing their blocks or blocking the others, the engine told to sleep only when
+    nothing else can run; every request still produces exactly the tokens it would alone."""
+    rng = random.Random(seed)
+    setup = build(num_blocks=128, block_size=4, budget=16, max_num_seqs=4)
+    s = setup.scheduler
+    requests = [make_request(f"r{i}", [rng.randrange(1, 500) for _ in range(rng.randint(3, 12))],
+                             max_tokens=rng.randint(2, 8), arrival=float(i)) for i in range(7)]
+    streamed = {r.request_id for r in requests[::2]}
+    for r in requests:
+        if r.request_id in streamed:
+            r.input_limit = 0
+        s.add_request(r)
+    saw_sleep = False
+    for _ in range(2000):
+        if not s.has_unfinished_requests():
+            break
+        for r in requests:          # inputs arrive now and then; at some point the stream ends
+            if r.request_id in streamed and r.input_limit != sys.maxsize and rng.random() < 0.3:
+                r.input_limit = sys.maxsize if rng.random() < 0.15 else r.input_limit + rng.randint(1, 4)
+                s.inputs_changed()
+        blocks_before = {r.request_id: list(r.block_ids) for r in s.running}
+        so = s.schedule()
+        for r, computed, n in zip(so.requests, so.num_computed_tokens, so.num_scheduled_tokens):
+            assert computed + n <= r.input_limit
+        scheduled = {r.request_id for r in so.requests}
+        for r in s.running:
+            if r.request_id not in scheduled and r.request_id in blocks_before:
+                assert r.block_ids == blocks_before[r.request_id]      # passed over, blocks kept
+        if so.is_empty:
+            blocked = all(r.input_limit <= r.num_computed_tokens for r in s.running) and \
+                all(r.input_limit == 0 for r in s.waiting)
+            assert s.waiting_for_inputs == blocked and s.has_runnable_requests() != blocked
+            saw_sleep |= blocked
+            continue
+        s.update_from_output(so, setup.runner.execute(so))
+    assert not s.has_unfinished_requests()
+    assert saw_sleep
+    for r in requests:
+        tokens, _ = expected_generation(r.request_id, r.prompt_token_ids, r.sampling_params)
+        assert r.output_token_ids == tokens
+    assert_all_blocks_free(setup)

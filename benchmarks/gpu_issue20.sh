@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything GPU-side of issue 20 (the Qwen3-Omni speech pipeline) in one device call.
+# Usage (device tool): bash benchmarks/gpu_issue20.sh [SECTION ...]
+#   sections: tests bench bench_small
+# $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
+set -u
+OUT=${OUT:-/tmp/gpu_issue20}
+TOTAL_S=${TOTAL_S:-570}
+SUMMARY_PATTERN='^\||^device|passed|failed|Error|PASSED|FAILED|pipeline up'
+SUMMARY_LINES=60
+sections=${*:-tests bench}
+. "$(dirname "$0")/gpu_common.sh"
+
+for s in $sections; do
+  case $s in
+    tests) run omni_gpu_tests 200 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_omni_gpu.py ;;
+    # Qwen3-Omni-30B-A3B shapes (thinker trimmed to fit under 100 GB), async chunk vs stage after stage.
+    bench) run omni_bench 480 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 --text-tokens 200 \
+             --talker-frames 250 ;;
+    # A quicker pass if the full one runs out of time: fewer frames, two levels.
+    bench_small) run omni_bench_small 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8 \
+                   --text-tokens 100 --talker-frames 120 ;;
+    *) echo "unknown section $s" | tee -a "$OUT/summary.md" ;;
+  esac
+done

@@ -1,0 +1,82 @@
+"""The talker's code predictor (`talker.code_predictor`): given the talker's last hidden state and the
+frame's first code, it predicts the frame's other `num_code_groups - 1` codes one after the other.
+
+transformers runs it as a `generate` of num_code_groups - 1 tokens per frame: a prefill of two positions
+(the talker's normed hidden state, the talker's embedding of the first code) through a small dense
+Qwen3 decoder, `lm_head[0]` on the last one; then each code i, embedded by `codec_embedding[i - 1]`, is
+fed and `lm_head[i]` predicts code i + 1. Here the frames of all rows of a step run together, with a KV
+cache of num_code_groups positions.
+
+Sampling follows the talker row's: greedy rows take the argmax (transformers mirrors the talker's
+do_sample onto the code predictor); sampling rows draw with transformers' code predictor settings,
+top-k 50 and top-p 0.8 at temperature 1, as the sampler draws (exponential race), seeded rows from their
+own stream of the step seed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pellucid.models.qwen3_omni.dense import DenseStack, KVCache
+from pellucid.runner.sampler import HEAD_STREAM, apply_top_k_top_p, exponential_noise
+
+TOP_K = 50
+TOP_P = 0.8
+# A seeded row's code-predictor draws: their own stream of the row's step seed (runner/sampler.py).
+CODE_PREDICTOR_STREAM = HEAD_STREAM + 1
+
+
+class CodePredictorModel(DenseStack):
+    """`talker.code_predictor.model`: layers, norm, and one codec embedding per predicted codebook."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(config, qk_norm=True, sliding_window=None, layer_scale=False, dtype=dtype, device=device)
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            for _ in range(config.num_code_groups - 1))
+
+
+class CodePredictor(nn.Module):
+    """`talker.code_predictor`: model + lm_head[i] per predicted codebook."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.config = config
+        self.num_code_groups = int(config.num_code_groups)
+        self.model = CodePredictorModel(config, dtype, device)
+        self.lm_head = nn.ModuleList(nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                                               device=device) for _ in range(self.num_code_groups - 1))
+
+    def predict(self, hidden: torch.Tensor, first_code_embeds: torch.Tensor, greedy: torch.Tensor | None,
+                seeds: dict[int, int]) -> torch.Tensor:
+        """Codes 1 .. G-1 [R, G-1] of R frames: `hidden` [R, H] the talker's normed hidden states that
+        sampled each frame's first code, `first_code_embeds` [R, H] the talker's embedding of that code.
+        `greedy`: [R] bool (device), which rows take the argmax, or None when every row does; `seeds`:
+        row -> the row's step seed (SamplingMetadata.seeds) for seeded sampling rows."""
+        rows = hidden.shape[0]
+        attn = self.model.layers[0].self_attn
+        cache = KVCache(len(self.model.layers), rows, attn.num_kv_heads, self.num_code_groups, attn.head_dim,
+                        hidden.dtype, hidden.device)
+        vocab = int(self.config.vocab_size)
+        noise = None
+        if greedy is not None:
+            # One draw per (codebook, code) per row, from the row's own stream when it is seeded.
+            noise = exponential_noise(torch.Size((rows, (self.num_code_groups - 1) * vocab)), hidden.device, seeds,
+                                      CODE_PREDICTOR_STREAM)
+            top_k = torch.full((rows,), TOP_K, dtype=torch.int64, device=hidden.device)
+            top_p = torch.full((rows,), TOP_P, dtype=torch.float32, device=hidden.device)
+        x = torch.stack((hidden, first_code_embeds), dim=1)
+        codes = []
+        for i in range(self.num_code_groups - 1):
+            logits = self.lm_head[i](self.model(x, cache)[:, -1]).float()
+            code = logits.argmax(dim=-1)
+            if greedy is not None and noise is not None:
+                probs = apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
+                drawn = probs.div_(noise[:, i * vocab:(i + 1) * vocab]).argmax(dim=-1)
+                code = torch.where(greedy, code, drawn)
+            codes.append(code)
+            if i + 1 < self.num_code_groups - 1:
+                x = self.model.codec_embedding[i](code)[:, None]
+        return torch.stack(codes, dim=1)

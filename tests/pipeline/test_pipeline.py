@@ -1,0 +1,158 @@
+"""The Qwen3-Omni pipeline in one process (three in-process engines): the same outputs whatever the chunk
+size and whatever order chunk deliveries come in, aborts and failures that end a request in every stage
+and free what it held there, and the other requests untouched. Against transformers: test_omni_vs_hf.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pellucid.pipeline.connectors import ChunkKey, open_connector
+from pellucid.pipeline.graph import qwen3_omni_graph
+from pellucid.pipeline.omni import OmniLLM, OmniOutput
+from pellucid.pipeline.qwen3_omni import AudioRequest
+from pellucid.sampling_params import SamplingParams
+from pellucid.tokenizer import apply_chat_template
+from tests.pipeline.doubles import DroppingDelivery, LosingConnector, ShuffledDelivery, install
+
+TEXT = SamplingParams(temperature=0, max_tokens=14)
+# Greedy, with transformers' default repetition penalty; some requests end at the talker's EOS, others by length.
+TALKER = SamplingParams(temperature=0, repetition_penalty=1.05, max_tokens=24)
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello there, how are you today?"}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Tell me about the old clock in the hall."}],
+    [{"role": "user", "content": "The weather is cold."}],
+]
+VOICES = ["ethan", "chelsie", "ethan"]
+
+
+def make_omni(omni_dir: str, chunk_size: int | str, **kwargs) -> OmniLLM:
+    # Small decode windows, so a short utterance spans several of them.
+    return OmniLLM(omni_dir, qwen3_omni_graph(chunk_size, decode_chunk=5, left_context=3), device="cpu",
+                   max_model_len=256, num_kv_blocks=256, **kwargs)
+
+
+def run(omni: OmniLLM, params: list[SamplingParams] | None = None) -> dict[str, OmniOutput]:
+    prompts = [apply_chat_template(omni.tokenizer, c) for c in CONVERSATIONS]
+    for i, (prompt, voice) in enumerate(zip(prompts, VOICES)):
+        omni.add_request(f"r{i}", prompt, (params or [TEXT] * 3)[i], AudioRequest(voice, TALKER))
+    done = {}
+    while omni.has_unfinished_requests():
+        for out in omni.step():
+            done[out.request_id] = out
+    return done
+
+
+# code2wav batches the windows of whichever requests have one ready: batch shapes differ from run to run,
+# and float32 rounding with them (measured ~1e-6). Tokens and every frame's codes are exact.
+AUDIO_TOLERANCE = 1e-5
+
+
+def assert_same(a: OmniOutput, b: OmniOutput) -> None:
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert a.token_ids == b.token_ids
+    assert a.stage_token_ids == b.stage_token_ids
+    assert len(a.audio) == len(b.audio) > 0
+    assert torch.allclose(a.audio, b.audio, rtol=0, atol=AUDIO_TOLERANCE), (a.audio - b.audio).abs().max()
+
+
+def assert_everything_freed(omni: OmniLLM) -> None:
+    for stage, stats in omni.stats().items():
+        assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0), stage
+    for spec in omni.pipeline.connectors.values():
+        assert len(open_connector(spec)) == 0, "chunks left behind"
+
+
+@pytest.fixture(scope="module")
+def reference(omni_dir) -> dict[str, OmniOutput]:
+    """Stage after stage: each stage gets everything in one chunk once the previous one is done."""
+    with make_omni(omni_dir, "all") as omni:
+        outputs = run(omni)
+        assert_everything_freed(omni)
+    talker_ends = [len(o.stage_token_ids["talker"]) < TALKER.max_tokens for o in outputs.values()]
+    assert any(talker_ends) or not all(talker_ends)
+    return outputs
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7])
+def test_async_chunks_equal_stage_after_stage(omni_dir, reference, chunk_size: int) -> None:
+    with make_omni(omni_dir, chunk_size) as omni:
+        outputs = run(omni)
+        assert_everything_freed(omni)
+        relayed = omni.pipeline.num_relayed
+    for rid, ref in reference.items():
+        assert_same(outputs[rid], ref)
+    # Streaming really streamed: audio came before the talker finished, and many chunks went through.
+    assert relayed > 20 if chunk_size == 1 else relayed > 6
+    first_audio = [o.metrics["time_to_first_audio"] for o in outputs.values()]
+    assert all(t < o.metrics["latency"] for t, o in zip(first_audio, outputs.values()))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_delayed_reordered_deliveries_give_identical_outputs(omni_dir, reference, seed: int) -> None:
+    with make_omni(omni_dir, 1) as omni:
+        doubles = install(omni.pipeline, lambda real: ShuffledDelivery(real, seed))
+        outputs = run(omni)
+        assert not omni.has_unfinished_requests()
+    assert sum(d.num_reordered for d in doubles) > 5       # deliveries really came out of order
+    for rid, ref in reference.items():
+        assert_same(outputs[rid], ref)
+
+
+def test_abort_mid_utterance_frees_every_stage(omni_dir, reference) -> None:
+    with make_omni(omni_dir, 1) as omni:
+        pipeline = omni.pipeline
+        prompts = [apply_chat_template(omni.tokenizer, c) for c in CONVERSATIONS[:2]]
+        for i, prompt in enumerate(prompts):
+            omni.add_request(f"r{i}", prompt, TEXT, AudioRequest(VOICES[i], TALKER))
+        audio: dict[str, list[torch.Tensor]] = {"r0": [], "r1": []}
+        finals = {}
+        pipeline.step()      # the thinker prefilled; the talker and code2wav wait for chunks without steps
+        assert not pipeline.clients["talker"].core.has_unfinished_requests()
+        assert not pipeline.clients["code2wav"].core.has_unfinished_requests()
+        assert pipeline.clients["talker"].core.scheduler.num_waiting == 2
+
+        def step() -> None:
+            for report in pipeline.step():
+                audio[report.request_id].append(report.audio)
+                if report.finished:
+                    finals[report.request_id] = report
+
+        while not any(len(a) for a in audio["r0"]):
+            step()      # until r0 speaks: the talker and code2wav hold it
+        assert {"talker", "code2wav"} <= pipeline.requests["r0"].open_stages
+        omni.abort_request("r0")
+        while omni.has_unfinished_requests():
+            step()
+        assert finals["r0"].error is None and len(torch.cat(audio["r0"])) < len(reference["r0"].audio)
+        r1 = finals["r1"]
+        assert r1.error is None and list(r1.text.outputs[0].token_ids) == reference["r1"].token_ids
+        assert r1.stage_token_ids == reference["r1"].stage_token_ids
+        assert torch.allclose(torch.cat(audio["r1"]), reference["r1"].audio, rtol=0, atol=AUDIO_TOLERANCE)
+        assert_everything_freed(omni)
+        for stage, client in pipeline.clients.items():
+            assert client.core.stats().num_aborted == 1, stage
+
+
+def test_lost_chunk_fails_its_request_only(omni_dir, reference) -> None:
+    with make_omni(omni_dir, 1) as omni:
+        lost = ChunkKey("r1", "thinker", "talker", 2)
+        install(omni.pipeline, lambda real: LosingConnector(real, {lost}))
+        outputs = run(omni)
+        assert_everything_freed(omni)
+    failed = outputs["r1"]
+    assert failed.error is not None and "talker" in failed.error and "chunk 2" in failed.error, failed.error
+    assert "not in the connector" in failed.error
+    for rid in ("r0", "r2"):
+        assert_same(outputs[rid], reference[rid])
+
+
+def test_a_notice_never_delivered_is_an_error_not_a_hang(omni_dir) -> None:
+    """A request whose next chunk is never announced fails with an error naming where it waits; the
+    others finish."""
+    with make_omni(omni_dir, 1) as omni:
+        install(omni.pipeline, lambda real: DroppingDelivery(real, {ChunkKey("r0", "talker", "code2wav", 1)}))
+        outputs = run(omni)
+        assert_everything_freed(omni)
+    assert "stalled" in outputs["r0"].error and "code2wav" in outputs["r0"].error
+    assert outputs["r1"].error is None and outputs["r2"].error is None
