@@ -250,6 +250,13 @@ class Code2WavCore:
         self.abort_all(error)
         return self.step()
 
+    # ---- processes beside the core: code2wav starts none (EngineCore's tensor-parallel workers) ----
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        """Nothing beside this core can fail it from another thread."""
+
+    def shutdown(self) -> None:
+        """Nothing beside this core to stop."""
+
     def stats(self) -> EngineStats:
         running = sum(1 for s in self.streams.values() if s.next_window() is not None)
         return EngineStats(num_running=running, num_waiting=len(self.streams) - running, num_steps=self.num_steps,

@@ -29,7 +29,8 @@ def test_bench_serve_runs_offline_and_both_servers_on_the_same_requests(tiny_mod
         assert row[-1] == "0"                                   # no failed request
         assert float(row[3].replace(",", "")) > 0               # output tok/s
         assert re.fullmatch(r"[\d.]+x", row[4])                 # the ratio to the offline run
-        assert float(row[9]) > 0 and float(row[10]) > 0         # API server CPU per token, cores busy
+        # The API server's CPU per token and cores busy (clock ticks of 10 ms: a tiny load may read 0).
+        assert float(row[9]) >= 0 and float(row[10]) >= 0
     assert all(row[11] != "-" for row in rows[1:3]) and all(row[11] == "-" for row in rows[3:])
 
 
