@@ -64,7 +64,7 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was complete."""
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """SSE response that always closes its body generator, so a broken connection aborts the request."""
 
     media_type = "text/event-stream"
@@ -84,7 +84,7 @@ def _observe(timer: RequestTimer, tracker: ChoiceTracker, output: RequestOutput)
             timer.finish(completion.finish_reason or "unknown")
 
 
-def _sse(payload: BaseModel | dict[str, Any]) -> str:
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
 
@@ -264,7 +264,7 @@ class OpenAIServer:
         echo = [self._prompt_text(p) if body.echo else "" for p in prompts]
         tracker = ChoiceTracker(n=body.n)
         if body.stream:
-            return _EventStream(self._completion_events(body, request_id, streams, tracker, timer, echo))
+            return EventStream(self._completion_events(body, request_id, streams, tracker, timer, echo))
         final_outputs: dict[int, RequestOutput] = {}
         finals = await self.until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
         choices = []
@@ -339,7 +339,7 @@ class OpenAIServer:
         changed any choice (`choice` builds each from its delta), the usage chunk when asked for, [DONE]."""
         try:
             for first in opening:
-                yield _sse(first)
+                yield sse_event(first)
             async with contextlib.aclosing(self.merged(streams, timer, tracker)) as outputs:
                 async for index, output in outputs:
                     choices = [choice(delta) for delta in tracker.update(index, output)]
@@ -348,15 +348,15 @@ class OpenAIServer:
                     if output.finished and output.extras.get("saves") is not None:
                         # A traced request's saves ride on its last chunk (interventions need n=1, so the
                         # choice index is the prompt index).
-                        yield _sse(with_saves(chunk(choices).model_dump(), {index: output}))
+                        yield sse_event(with_saves(chunk(choices).model_dump(), {index: output}))
                     else:
-                        yield _sse(chunk(choices))
+                        yield sse_event(chunk(choices))
             if include_usage:
                 final = chunk([])
                 final.usage = tracker.usage()
-                yield _sse(final)
+                yield sse_event(final)
         except Exception as exc:
-            yield _sse(error_response_body(self._stream_error(exc)))
+            yield sse_event(error_response_body(self._stream_error(exc)))
         yield "data: [DONE]\n\n"
 
     def _stream_error(self, exc: Exception) -> ProtocolError:
@@ -384,7 +384,7 @@ class OpenAIServer:
         streams = await self.add_all([prompt_ids], params, request_id, param="messages", extras=extras)
         tracker = ChoiceTracker(n=body.n)
         if body.stream:
-            return _EventStream(self._chat_events(body, request_id, streams, tracker, timer, top_logprobs))
+            return EventStream(self._chat_events(body, request_id, streams, tracker, timer, top_logprobs))
         final_outputs: dict[int, RequestOutput] = {}
         finals = await self.until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
         choices = [ChatChoice(index=index, message=ChatResponseMessage(content=finals[index].text),
@@ -513,10 +513,16 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     protected.add_api_route("/detokenize", _guarded(server, server.detokenize), methods=["POST"])
     protected.add_api_route("/v1/models", _guarded(server, lambda _request: server.models()), methods=["GET"])
     app.include_router(protected)
+    add_service_routes(app, lambda: async_llm.is_running, server.metrics_text)
+    return app
 
+
+def add_service_routes(app: FastAPI, is_running: Callable[[], bool],
+                       metrics_text: Callable[[], Awaitable[Response]]) -> None:
+    """`/health` (200 while the engine runs, else 503), `/version` and `/metrics`: every server has them."""
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if async_llm.is_running else 503)
+        return Response(status_code=200 if is_running() else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -524,6 +530,4 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return await server.metrics_text()
-
-    return app
+        return await metrics_text()

@@ -27,7 +27,8 @@ from pellucid.logger import get_logger
 from pellucid.pipeline.async_omni import AsyncOmni, OmniRequestFailed, OmniStream
 from pellucid.pipeline.pipeline import OmniRequestOutput
 from pellucid.pipeline.qwen3_omni import AudioRequest
-from pellucid.server.app import ClientDisconnected, _EventStream, _sse, error_response, error_response_body
+from pellucid.server.app import (ClientDisconnected, EventStream, add_service_routes, error_response, sse_event,
+                                 error_response_body)
 from pellucid.server.audio import FORMATS, pcm16, wav, wav_header
 from pellucid.server.protocol import (ChatCompletionRequest, ModelCard, ModelList, ProtocolError, UsageInfo,
                                       chat_template_messages, new_id, validation_error)
@@ -166,7 +167,7 @@ class OmniServer:
         except ValueError as exc:
             raise ProtocolError(str(exc), param="messages") from exc
         if body.stream:
-            return _EventStream(self._events(body, request_id, stream, audio_format))
+            return EventStream(self._events(body, request_id, stream, audio_format))
         final, samples = await self._until_disconnect(request, self._collect(stream))
         return JSONResponse(self._response(body, request_id, final, samples, audio_format))
 
@@ -237,7 +238,7 @@ class OmniServer:
         header_sent = False
         final = None
         try:
-            yield _sse(chunk({"role": "assistant", "content": "" if audio_format is None else None}))
+            yield sse_event(chunk({"role": "assistant", "content": "" if audio_format is None else None}))
             async for output in stream:
                 final = output
                 completion = output.text.outputs[0] if output.text and output.text.outputs else None
@@ -246,19 +247,19 @@ class OmniServer:
                     piece, sent_text = text[sent_text:], len(text)
                     delta = {"content": piece} if audio_format is None else {"audio": {"id": audio_id,
                                                                                        "transcript": piece}}
-                    yield _sse(chunk(delta))
+                    yield sse_event(chunk(delta))
                 if audio_format is not None and len(output.audio):
                     data = pcm16(output.audio)
                     if audio_format == "wav" and not header_sent:
                         data = wav_header(output.sample_rate, None) + data
                         header_sent = True
-                    yield _sse(chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
+                    yield sse_event(chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
                 if output.finished:
                     if output.error is not None:
                         raise OmniRequestFailed(request_id, output.error)
                     last = {"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_EXPIRY_SECONDS}} \
                         if audio_format is not None else {}
-                    yield _sse(chunk(last, completion.finish_reason if completion else "stop"))
+                    yield sse_event(chunk(last, completion.finish_reason if completion else "stop"))
             if final is not None:
                 self.metrics.request_done(final)
         except Exception as exc:
@@ -267,7 +268,7 @@ class OmniServer:
             else:
                 self.metrics.failure.inc()
             message = exc.message if isinstance(exc, OmniRequestFailed) else f"{type(exc).__name__}: {exc}"
-            yield _sse(error_response_body(ProtocolError(message, status=500, error_type="internal_server_error")))
+            yield sse_event(error_response_body(ProtocolError(message, status=500, error_type="internal_server_error")))
         finally:
             stream.cancel()
         yield "data: [DONE]\n\n"
@@ -339,17 +340,5 @@ def build_omni_app(omni: AsyncOmni, served_model_name: str, api_key: str | None 
     protected.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     protected.add_api_route("/v1/models", models, methods=["GET"])
     app.include_router(protected)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if omni.is_running else 503)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": pellucid.__version__}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return await server.metrics_text()
-
+    add_service_routes(app, lambda: omni.is_running, server.metrics_text)
     return app
