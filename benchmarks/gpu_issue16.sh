@@ -3,16 +3,10 @@
 # process and the engine paths it drives, then `pellucid bench serve`: the offline engine, the server
 # with its engine core in its own process, and the previous in-thread design, on the same requests.
 # Usage (device tool): bash benchmarks/gpu_issue16.sh [SECTION ...]   sections: tests serve throughput
-# FastAPI (with opentelemetry-api), uvicorn, pyzmq and msgspec are not installed there: carry their wheels
-# (.whl, see the device tool's README). $OUT/summary.md gets every table; $OUT/all.log every command's output.
+# $OUT/summary.md gets every table; $OUT/all.log every command's output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue16}
 TOTAL_S=${TOTAL_S:-570}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
-fi
 SUMMARY_PATTERN='^\||passed|failed|Error|PASSED|FAILED|error'
 sections=${*:-tests serve}
 . "$(dirname "$0")/gpu_common.sh"
@@ -21,8 +15,8 @@ nproc | sed 's/^/host cores: /' | tee -a "$OUT/summary.md"
 for s in $sections; do
   case $s in
     tests)
-      run gpu_tests 150 python3 -m pytest -q -x -rs -p no:cacheprovider tests/gpu/test_engine_process_gpu.py \
-        tests/gpu/test_no_sync.py tests/gpu/test_async_scheduling.py tests/gpu/test_gpu_engine.py ;;
+      run gpu_tests 300 python3 -m pytest -v -rs -p no:cacheprovider --durations=10 tests/gpu/test_no_sync.py \
+        tests/gpu/test_async_scheduling.py tests/gpu/test_engine_process_gpu.py tests/gpu/test_gpu_engine.py ;;
     serve)
       # The issue's workload: 1,000 requests, prompts 32-1024 tokens, outputs 16-512, greedy, ignore_eos;
       # all at once, then 300 requests at 10, 20 and 40 req/s (Poisson).

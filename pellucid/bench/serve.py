@@ -8,7 +8,8 @@ figure (the ratio), with TTFT / ITL percentiles, the engine's mean step time and
 the load ran (its busy time, from /metrics), and the CPU time each process spent per output token:
 the API server's (the frontend: HTTP, tokenization, detokenization, SSE) and the engine core's. "API server
 cores" is the API server's CPU time over the load's duration: near 1.0, one API server process is the
-bottleneck and several (vLLM's --api-server-count) would pay off.
+bottleneck and several (vLLM's --api-server-count) would pay off. "client cores" is the same for the load
+generator (aiohttp, in this process): near 1.0, the client and not the server limits the row.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 from pellucid.bench.common import print_table
 from pellucid.bench.models import resolve_model
@@ -54,12 +56,12 @@ def run_serve_bench(args: argparse.Namespace) -> None:
     rates = [float(r) for r in args.rates.split(",")]
     headers = ["system", "load", "requests", "output tok/s", "vs offline", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
                "engine step ms", "tokens/step", "API server CPU us/tok", "API server cores", "engine CPU us/tok",
-               "failed"]
+               "client cores", "failed"]
     rows = []
     offline = None
     if not args.no_offline:
         offline = _run_offline(model_dir, args, requests)
-        rows.append(["LLM.generate", "all at once", str(len(requests)), f"{offline:,.0f}", "1.00x"] + ["-"] * 8)
+        rows.append(["LLM.generate", "all at once", str(len(requests)), f"{offline:,.0f}", "1.00x"] + ["-"] * 9)
         print_table(headers, rows)
     for variant in args.variants.split(","):
         with _Server(model_dir, args, VARIANTS[variant]) as server:
@@ -147,7 +149,9 @@ class _Server:
 
     def measure(self, variant: str, load: list[LoadRequest], rate: float, seed: int, offline: float | None) -> list[str]:
         before_metrics, before_cpu = self._metrics(), self._cpu_seconds()
+        client_cpu = time.process_time()
         results, duration = asyncio.run(drive(self.url, load, rate, seed=seed))
+        client_cpu = time.process_time() - client_cpu
         after_metrics, after_cpu = self._metrics(), self._cpu_seconds()
         s = summarize(results, duration)
         steps = after_metrics["pellucid:engine_steps"] - before_metrics["pellucid:engine_steps"]
@@ -161,12 +165,13 @@ class _Server:
                 f"{s.ttft_ms[0]:.1f} / {s.ttft_ms[1]:.1f}", f"{s.itl_ms[0]:.2f} / {s.itl_ms[1]:.2f}",
                 f"{busy / steps * 1e3:.2f}" if steps else "-", f"{tokens / steps:.1f}" if steps else "-",
                 per_token[0], f"{(after_cpu[0] - before_cpu[0]) / duration:.2f}",
-                per_token[1] if len(per_token) > 1 else "-", str(s.num_failed)]
+                per_token[1] if len(per_token) > 1 else "-", f"{client_cpu / duration:.2f}", str(s.num_failed)]
 
     def _metrics(self) -> dict[str, float]:
-        import httpx
         values = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
             if line.startswith("pellucid:") and "{" in line:
                 values[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
         return values
@@ -193,16 +198,15 @@ def _cpu_time(pid: int) -> float:
 
 
 def _wait_ready(url: str, server: subprocess.Popen, timeout: float) -> None:
-    import httpx
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"the server exited with code {server.returncode} before it was ready")
         try:
-            if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2.0) as response:
+                if response.status == 200:
+                    return
+        except OSError:        # connection refused while it starts; urllib's errors are OSErrors
             pass
         time.sleep(1.0)
     raise TimeoutError(f"the server at {url} was not ready after {timeout:.0f} s")

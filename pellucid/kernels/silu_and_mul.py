@@ -23,10 +23,12 @@ def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, num_cols, stride_gate, strid
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [T, I] (same dtype) -> silu(gate) * up [T, I]."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dim() != 2:
-        raise ValueError(f"silu_and_mul needs two [T, I] tensors of one dtype, got {tuple(gate.shape)} "
+    """gate, up [..., I] (same shape and dtype) -> silu(gate) * up [..., I]."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dim() < 1:
+        raise ValueError(f"silu_and_mul needs two [..., I] tensors of one shape and dtype, got {tuple(gate.shape)} "
                          f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    if gate.dim() != 2:       # batched callers (Qwen3-Omni's code predictor runs [B, S, H]): rows are rows
+        return silu_and_mul(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])).view(gate.shape)
     if gate.stride(-1) != 1 or up.stride(-1) != 1:
         gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)

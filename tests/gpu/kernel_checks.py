@@ -30,11 +30,12 @@ def check_rms_norm(device: str, dtype: torch.dtype, seed: int) -> None:
 def check_silu_and_mul(device: str, dtype: torch.dtype, seed: int) -> None:
     from pellucid.kernels.silu_and_mul import silu_and_mul
     g = torch.Generator().manual_seed(seed)
-    for rows, cols in [(5, 128), (3, 300)]:
-        gate = (torch.randn(rows, cols, generator=g) * 2).to(dtype).to(device)
-        up = torch.randn(rows, cols, generator=g).to(dtype).to(device)
+    # Batched [B, S, I] inputs too: Qwen3-Omni's code predictor calls the shared MLP with them.
+    for shape in [(5, 128), (3, 300), (2, 3, 64)]:
+        gate = (torch.randn(shape, generator=g) * 2).to(dtype).to(device)
+        up = torch.randn(shape, generator=g).to(dtype).to(device)
         ref = torch.nn.functional.silu(gate) * up
-        assert_close(silu_and_mul(gate, up), ref, dtype, f"silu_and_mul {rows}x{cols} {dtype}")
+        assert_close(silu_and_mul(gate, up), ref, dtype, f"silu_and_mul {shape} {dtype}")
 
 
 def check_rotary(device: str, dtype: torch.dtype, seed: int) -> None:
