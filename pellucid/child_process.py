@@ -34,6 +34,24 @@ def start_child(module: str, settings: Any) -> subprocess.Popen:
     return proc
 
 
+_ABRUPT_EXIT_HOOKS: list[Callable[[], None]] = []
+
+
+def on_abrupt_exit(hook: Callable[[], None]) -> Callable[[], None]:
+    """Run `hook` when this process leaves at once (exit_now, or its parent gone), which skips atexit: for
+    what does not end with the process by itself (a local Ray cluster's agents). Returns the undo."""
+    _ABRUPT_EXIT_HOOKS.append(hook)
+    return lambda: _ABRUPT_EXIT_HOOKS.remove(hook) if hook in _ABRUPT_EXIT_HOOKS else None
+
+
+def _run_abrupt_exit_hooks() -> None:
+    for hook in list(_ABRUPT_EXIT_HOOKS):
+        try:
+            hook()
+        except Exception as exc:        # leaving anyway: say so and go on
+            print(f"pellucid: a clean-up at exit failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 def exit_when_parent_is_gone(pipe: Any, on_gone: Callable[[], None]) -> None:
     """In the child: once its stdin (`pipe`, after the settings) reaches end-of-file, call `on_gone` (to
     log it) and end the process at once."""
@@ -44,6 +62,7 @@ def exit_when_parent_is_gone(pipe: Any, on_gone: Callable[[], None]) -> None:
         except OSError:
             pass
         on_gone()
+        _run_abrupt_exit_hooks()
         os._exit(1)
     threading.Thread(target=watch, name="pellucid-parent-watch", daemon=True).start()
 
@@ -54,6 +73,7 @@ def exit_now(context: zmq.Context, sockets: list[zmq.Socket], code: int, linger_
     for sock in sockets:
         sock.close(linger=linger_ms)
     context.term()
+    _run_abrupt_exit_hooks()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

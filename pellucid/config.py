@@ -84,16 +84,17 @@ class RunnerConfig:
 class ParallelConfig:
     # Shard the model over this many ranks (one GPU each; processes on the CPU), Megatron-style.
     tensor_parallel_size: int = 1
-    # How ranks 1..N-1 start: "mp" (the engine starts a worker process per rank on this machine) or "env"
-    # (a launcher started every rank and set torch.distributed's env:// variables: torchrun, across
-    # machines too). None: "env" when WORLD_SIZE is set in the environment, else "mp".
+    # How ranks 1..N-1 start: "mp" (the engine starts a worker process per rank on this machine), "ray" (a
+    # Ray actor per rank, on the nodes of a Ray cluster) or "env" (a launcher started every rank and set
+    # torch.distributed's env:// variables: torchrun, across machines too). None: "env" when WORLD_SIZE is
+    # set in the environment, else "mp".
     distributed_executor_backend: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.distributed_executor_backend not in (None, "mp", "env"):
-            raise ValueError(f"distributed_executor_backend must be 'mp' or 'env', got "
+        if self.distributed_executor_backend not in (None, "mp", "ray", "env"):
+            raise ValueError(f"distributed_executor_backend must be 'mp', 'ray' or 'env', got "
                              f"{self.distributed_executor_backend!r}")
 
 

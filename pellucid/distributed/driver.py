@@ -8,6 +8,8 @@ other ranks run `pellucid.distributed.worker`:
 - `distributed_executor_backend="mp"`: rank 0 starts one worker process per other rank on this machine
   (a fresh interpreter whose stdin is a pipe from the engine process: it exits when the engine does,
   whatever ended it) and the ranks meet through a file store in a private directory;
+- `"ray"`: rank 0 places one Ray actor per other rank on the nodes of a Ray cluster (ray_workers.py);
+  the ranks meet over TCP;
 - `"env"`: a launcher (torchrun) started every rank with torch.distributed's env:// variables, on any
   number of machines; rank 0's process is the engine's, the others became workers when their frontend
   made its engine (core_client.make_client).
@@ -96,6 +98,28 @@ def rank_device(device: torch.device, local_rank: int, size: int) -> torch.devic
     return torch.device("cuda", local_rank)
 
 
+class LocalWorker:
+    """A worker process this engine process started (mp)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def exit_reason(self) -> str | None:
+        """None while it runs; else how it ended ('was killed by SIGKILL')."""
+        code = self.proc.poll()
+        return None if code is None else describe_exit(code)
+
+    def stop(self, timeout: float) -> None:
+        """After Stop: wait for it to exit (killing it after `timeout`), and close its stdin."""
+        try:
+            self.proc.wait(max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+
+
 class WorkerGroup:
     """Ranks 1..N-1 seen from rank 0: their start, the step channel, the watchdog, the shutdown."""
 
@@ -108,7 +132,8 @@ class WorkerGroup:
         self.on_fatal: Callable[[str], None] = lambda reason: None
         self._lock = threading.Lock()
         self._closing = False
-        self._procs: dict[int, subprocess.Popen] = {}
+        self._workers: dict[int, Any] = {}      # rank -> LocalWorker or ray_workers.RayWorker
+        self._ray: Any = None                     # ray_workers.RayRanks, with the "ray" backend
         self.tp: TensorParallel | None = None
         self._dir: str | None = None
         self._context = zmq.Context()
@@ -118,6 +143,8 @@ class WorkerGroup:
         try:
             if self.backend == "mp":
                 self._start_local_workers(config, device)
+            elif self.backend == "ray":
+                self._start_ray_workers(config, device)
             else:
                 self._join_launched_ranks(device)
         except BaseException:
@@ -147,7 +174,29 @@ class WorkerGroup:
             worker_device = str(rank_device(device, rank, self.size))
             settings = WorkerSettings(config, rank, self.size, worker_device, init_method, address, reply_address,
                                       get_logger().getEffectiveLevel(), threads)
-            self._procs[rank] = start_child("pellucid.distributed.worker", settings)
+            self._workers[rank] = LocalWorker(start_child("pellucid.distributed.worker", settings))
+        self._wait_started()
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        self.tp = init_tensor_parallel(0, self.size, self.device, init_method, timeout_s=STARTUP_TIMEOUT_S)
+
+    def _start_ray_workers(self, config: EngineConfig, device: torch.device) -> None:
+        from pellucid.distributed.ray_workers import RayRanks, free_tcp_port
+        self._ray = RayRanks(self.size, device, STARTUP_TIMEOUT_S)
+        self.device = self._ray.rank0_device
+        host = self._ray.node_ip
+        self._replies.bind(f"tcp://{_bind_host(host)}:0")
+        reply_address = _connect_address(self._replies, host)
+        init_method = f"tcp://{host}:{free_tcp_port()}"
+        threads = max(1, torch.get_num_threads() // self.size) if device.type == "cpu" else 1
+        for rank in range(1, self.size):
+            sock = self._context.socket(zmq.PUSH)
+            sock.bind(f"tcp://{_bind_host(host)}:0")
+            self._steps.append(sock)
+            settings = WorkerSettings(config, rank, self.size, "cuda:0" if device.type == "cuda" else "cpu",
+                                      init_method, _connect_address(sock, host), reply_address,
+                                      get_logger().getEffectiveLevel(), threads)
+            self._workers[rank] = self._ray.start_worker(settings)
         self._wait_started()
         if device.type == "cpu":
             torch.set_num_threads(threads)
@@ -156,7 +205,7 @@ class WorkerGroup:
     def _wait_started(self) -> None:
         """Until every worker reports it is up (before the rendezvous, in which rank 0 could not see a worker
         that never comes): a clear error for one that exits or fails first."""
-        waiting = set(self._procs)
+        waiting = set(self._workers)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while waiting:
             if self._replies.poll(_POLL_MS):
@@ -166,9 +215,9 @@ class WorkerGroup:
                 waiting.discard(rank)
                 continue
             for rank in sorted(waiting):
-                code = self._procs[rank].poll()
-                if code is not None:
-                    raise TensorParallelStartupError(f"tensor-parallel worker rank {rank} {describe_exit(code)} "
+                reason = self._workers[rank].exit_reason()
+                if reason is not None:
+                    raise TensorParallelStartupError(f"tensor-parallel worker rank {rank} {reason} "
                                                      "before it started (its error is printed above)")
             if time.monotonic() > deadline:
                 raise TensorParallelStartupError(f"tensor-parallel ranks {sorted(waiting)} did not start within "
@@ -227,10 +276,10 @@ class WorkerGroup:
                 return
             if message is not None and message[0] == "error":
                 self._fail(f"tensor-parallel rank {message[1]} failed: {message[2]}")
-            for rank, proc in self._procs.items():
-                code = proc.poll()
-                if code is not None and not self._closing:
-                    self._fail(f"tensor-parallel worker rank {rank} {describe_exit(code)}")
+            for rank, worker in self._workers.items():
+                reason = worker.exit_reason()
+                if reason is not None and not self._closing:
+                    self._fail(f"tensor-parallel worker rank {rank} {reason}")
             if self.dead_reason is not None:
                 return
 
@@ -266,17 +315,14 @@ class WorkerGroup:
                     sock.send(pickle.dumps(Stop()), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-        deadline = time.monotonic() + (timeout if self.dead_reason is None else 1.0)
-        for proc in self._procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdin is not None:
-                proc.stdin.close()
+        # The watchdog sees _closing within a poll; it must be gone before the workers (and Ray) are.
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=2.0)
+        deadline = time.monotonic() + (timeout if self.dead_reason is None else 1.0)
+        for worker in self._workers.values():
+            worker.stop(deadline - time.monotonic())
+        if self._ray is not None:
+            self._ray.shutdown()
         # The process group is left to the process's exit, which follows: tearing NCCL down after graph
         # captures can hang (pytorch issue 115388), and nothing here needs it released first.
         for sock in self._steps:      # delivers the Stop still queued (workers torchrun started are not waited for)

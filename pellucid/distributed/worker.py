@@ -6,8 +6,8 @@ through the same ModelRunner.launch. The worker never reads a step's results bac
 it retires a step once the next one is launched.
 
 Started by rank 0 as `python -m pellucid.distributed.worker` (settings on stdin, whose end-of-file means
-the engine is gone: the worker exits at once), or, under torchrun, in the process of a frontend whose rank
-is not 0 (`serve_launched_rank`). Any failure is reported to rank 0 before the worker exits: the engine
+the engine is gone: the worker exits at once), in a Ray actor (ray_workers.py), or, under torchrun, in the
+process of a frontend whose rank is not 0 (`serve_launched_rank`). Any failure is reported to rank 0 before the worker exits: the engine
 cannot go on without it.
 """
 from __future__ import annotations
@@ -84,30 +84,46 @@ class Worker:
             previous = launched
 
 
-def main() -> None:
-    """`python -m pellucid.distributed.worker`: a worker rank 0 started on this machine."""
-    settings: WorkerSettings = pickle.load(sys.stdin.buffer)
+def serve_worker_rank(settings: WorkerSettings) -> None:
+    """Run as worker rank settings.rank, connected to rank 0's channels, until rank 0 says stop. A failure
+    is reported to rank 0, then raised. The local worker process and the Ray actor both run this."""
     get_logger().setLevel(settings.log_level)
     torch.set_num_threads(settings.torch_threads)
-    exit_when_parent_is_gone(sys.stdin.buffer, lambda: logger.debug(
-        "tensor-parallel rank %d: the engine process is gone; exiting", settings.rank))
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the process group: the engine decides
     context = zmq.Context()
     reply = context.socket(zmq.PUSH)
     reply.connect(settings.reply_address)
     steps = context.socket(zmq.PULL)
     steps.connect(settings.step_address)
     worker = Worker(settings.config, settings.rank, reply)
+    try:
+        worker.report("started")
+        worker.run(torch.device(settings.device), settings.init_method, steps, context)
+    except BaseException as exc:
+        _report_failure(worker, exc)
+        raise
+    finally:
+        for sock in (reply, steps):      # delivers the last report (up to 2 s)
+            sock.close(linger=2000)
+        context.term()
+
+
+def main() -> None:
+    """`python -m pellucid.distributed.worker`: a worker rank 0 started on this machine."""
+    settings: WorkerSettings = pickle.load(sys.stdin.buffer)
+    exit_when_parent_is_gone(sys.stdin.buffer, lambda: logger.debug(
+        "tensor-parallel rank %d: the engine process is gone; exiting", settings.rank))
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the process group: the engine decides
     code = 0
     try:
-        device = torch.device(settings.device)
-        worker.report("started")
-        worker.run(device, settings.init_method, steps, context)
-    except BaseException as exc:
+        serve_worker_rank(settings)
+    except BaseException:        # reported to rank 0 and logged by serve_worker_rank
         code = 1
-        _report_failure(worker, exc)
-    _exit(context, [reply, steps], code)
+    # Leave at once: no interpreter teardown, in which the thread blocked on stdin (or a collective) would
+    # make the exit fail.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve_launched_rank(config: EngineConfig) -> None:

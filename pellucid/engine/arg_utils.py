@@ -31,8 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many GPUs (processes on the CPU); the engine starts a worker "
                         "process per extra rank, or joins ranks a launcher started (torchrun)")
-    g.add_argument("--distributed-executor-backend", choices=("mp", "env"), default=None,
-                   help="mp: worker processes on this machine; env: ranks started by torchrun (env:// "
+    g.add_argument("--distributed-executor-backend", choices=("mp", "ray", "env"), default=None,
+                   help="mp: worker processes on this machine; ray: a Ray actor per rank on the nodes of the "
+                        "Ray cluster (RAY_ADDRESS, else a local one); env: ranks started by torchrun (env:// "
                         "rendezvous, any number of machines). Default: env under torchrun, else mp")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")

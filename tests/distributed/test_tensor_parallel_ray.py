@@ -1,0 +1,112 @@
+"""Tensor-parallel ranks as Ray actors on the CPU (gloo): the engine process starts a local Ray cluster,
+places rank 1 in an actor, and generates as TP=1 does; a killed actor fails the requests in flight with an
+error naming its rank and ends the engine; after either end no process of the engine (Ray's included) is
+left."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from pellucid import LLM, SamplingParams
+from pellucid.bench.serve import child_pids
+from pellucid.engine.core_client import EngineDeadError
+from tests.reference import random_prompts
+from tests.server.server_harness import alive
+
+pytest.importorskip("ray", reason="the ray backend needs Ray (in the test extras)")
+
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=24, num_kv_blocks=16,
+              max_num_seqs=4)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in child_pids(todo.pop()):
+            if alive(child):
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def _rank_actor(engine: int) -> int:
+    """The process of rank 1's actor, among the engine process's descendants: Ray titles an actor's process
+    ray::RankActor.run while it runs `run` (the idle actor that holds rank 0's bundle is ray::RankActor)."""
+    for pid in _descendants(engine):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ray::RankActor.run" in f.read():
+                    return pid
+        except FileNotFoundError:
+            continue
+    raise AssertionError("no ray::RankActor process under the engine process")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            text = f.read().replace(b"\0", b" ").decode(errors="replace")
+        return f"{pid}: {text[:120]}"
+    except FileNotFoundError:
+        return f"{pid}: gone"
+
+
+def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"processes still alive: {[_cmdline(p) for p in pids if alive(p)]}"
+        time.sleep(0.1)
+
+
+def test_ray_ranks_generate_as_tp1_and_leave_nothing_behind(tiny_model_factory):
+    """Greedy tokens and seeded samples identical to the one-process engine, under chunked prefill and
+    preemption; shutdown ends the actor, the local Ray cluster and the engine process."""
+    model = tiny_model_factory("qwen3", num_hidden_layers=2)
+    prompts = random_prompts(11, [37, 5, 22, 41, 12], vocab=500)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=s, max_tokens=10) for s in range(len(prompts))]
+    tp1 = LLM(model, **ENGINE)
+    expected = [[o.outputs[0].token_ids for o in tp1.generate(prompts, p, use_tqdm=False)] for p in (greedy, seeded)]
+    tp2 = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    engine = tp2.client.pid
+    assert _rank_actor(engine)
+    try:
+        got = [[o.outputs[0].token_ids for o in tp2.generate(prompts, p, use_tqdm=False)] for p in (greedy, seeded)]
+    finally:
+        processes = [engine, *_descendants(engine)]
+        tp2.shutdown()
+    assert got == expected
+    _wait_gone(processes)
+
+
+def test_a_killed_ray_worker_fails_the_requests_and_ends_the_engine(tiny_model_factory):
+    model = tiny_model_factory("qwen3", num_hidden_layers=2)
+    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    engine = llm.client.pid
+    processes = [engine, *_descendants(engine)]
+    outcome: dict[str, BaseException] = {}
+
+    def generate() -> None:
+        try:
+            llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                         use_tqdm=False)
+        except BaseException as exc:
+            outcome["error"] = exc
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while llm.client.latest_stats.generation_tokens_total == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(_rank_actor(engine), signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, EngineDeadError), error
+    assert "tensor-parallel worker rank 1" in str(error) or "tensor-parallel rank 1" in str(error), str(error)
+    llm.shutdown()
+    _wait_gone(processes)
