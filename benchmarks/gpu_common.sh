@@ -2,7 +2,7 @@
 # Set before sourcing: OUT (its summary.md gets every table and verdict as it is made, all.log every
 # command's full output), TOTAL_S (run() starts no command once that many seconds are spent), and
 # SUMMARY_PATTERN / SUMMARY_LINES (which lines of a command's output go to summary.md, and how many).
-# The device lacks FastAPI (and opentelemetry-api), uvicorn, pyzmq, msgspec and aiohttp (the load generator):
+# The device lacks FastAPI (and opentelemetry-api), uvicorn (with uvloop, httptools), pyzmq, msgspec and aiohttp:
 # carry their cp312 wheels in .whl (git-ignored; see the device tool's README) and they are installed here.
 mkdir -p "$OUT"
 if [ -d .whl ]; then

@@ -173,11 +173,13 @@ def test_shutdown_ends_in_flight_requests_cleanly(qwen3_dir):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def run():
-        got = 0
+        got, shut = 0, False
         with pytest.raises(EngineDeadError):
             async for out in engine.generate("the quick brown fox", params):
                 got = len(out.outputs[0].token_ids)
-                if got == 2:
+                # >= : a busy machine's reader may get the outputs of several steps in one (cumulative).
+                if got >= 2 and not shut:
+                    shut = True
                     # shutdown() blocks until the loop stopped; run it off the event loop thread.
                     await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
         with pytest.raises(EngineDeadError):
