@@ -265,7 +265,9 @@ class AsyncLLM:
                 # Not kept while waiting for the next report: the final outputs must be the only owners
                 # of what they carry (saves).
                 del outputs
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled, or its loop is gone (a finished asyncio.run closes the task when it is collected,
+            # maybe while a later loop's handler serves): not a failure of the requests in flight.
             raise
         except BaseException as exc:  # a frontend bug must not leave readers hanging
             logger.exception("the output handler crashed")

@@ -215,3 +215,31 @@ def test_stepping_ahead_defaults(qwen3_dir, async_llm):
     finally:
         default.shutdown()
         asked.shutdown()
+
+
+def test_a_closed_loops_handler_does_not_fail_a_later_loops_requests(async_llm, llm):
+    """A loop closed with the output handler still pending (a server thread's loop, say) leaves a task that
+    Python closes (GeneratorExit) when it is collected, maybe while another loop serves: that is no failure
+    of anyone's requests."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = asyncio.new_event_loop()
+
+    async def one(prompt: str) -> list[int]:
+        out = None
+        async for out in async_llm.generate(prompt, params):
+            pass
+        return out.outputs[0].token_ids
+
+    first.run_until_complete(one("a first loop"))
+    first.close()               # not asyncio.run: the handler task is left pending, not cancelled
+    stale = async_llm._handler
+
+    async def later() -> list[int]:
+        task = asyncio.ensure_future(one("the quick brown fox"))
+        await asyncio.sleep(0)
+        assert async_llm._handler is not stale
+        stale.get_coro().close()        # what collecting the stale task does, here mid-request
+        return await task
+
+    expected = llm.generate(["the quick brown fox"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert asyncio.run(later()) == expected
