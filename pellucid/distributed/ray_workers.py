@@ -84,7 +84,7 @@ class RayRanks:
         self.ray = import_ray()
         self.size = size
         # Joins RAY_ADDRESS's cluster or a running local one, else starts a local one (owned by this process;
-        # ray.shutdown ends it, and Ray's reaper does if this process is killed).
+        # ray.shutdown ends it).
         self.connected_here = not self.ray.is_initialized()
         self._undo_exit_hook = lambda: None
         if self.connected_here:
@@ -92,6 +92,16 @@ class RayRanks:
             # An engine process that exits at once (its frontend gone, a worker dead) skips atexit, and a local
             # cluster's agents would outlive it by a minute or more.
             self._undo_exit_hook = on_abrupt_exit(self.ray.shutdown)
+        self.holder: Any = None
+        self.group: Any = None
+        try:
+            self._place(size, device, timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _place(self, size: int, device: torch.device, timeout_s: float) -> None:
+        """The placement group, and rank 0's bundle held by an idle actor on this node."""
         self.use_gpus = device.type == "cuda"
         resource = "GPU" if self.use_gpus else "CPU"
         available = self.ray.cluster_resources().get(resource, 0)
@@ -133,9 +143,11 @@ class RayRanks:
 
     def shutdown(self) -> None:
         try:
-            self.ray.kill(self.holder, no_restart=True)
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(self.group)
+            if self.holder is not None:
+                self.ray.kill(self.holder, no_restart=True)
+            if self.group is not None:
+                from ray.util.placement_group import remove_placement_group
+                remove_placement_group(self.group)
         except Exception:      # the cluster is gone already
             logger.debug("releasing the Ray placement group failed", exc_info=True)
         if self.connected_here:

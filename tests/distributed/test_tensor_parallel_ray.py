@@ -13,7 +13,7 @@ import pytest
 
 from pellucid import LLM, SamplingParams
 from pellucid.bench.serve import child_pids
-from pellucid.engine.core_client import EngineDeadError
+from pellucid.engine.core_client import EngineDeadError, EngineStartupError
 from tests.reference import random_prompts
 from tests.server.server_harness import alive
 
@@ -110,3 +110,11 @@ def test_a_killed_ray_worker_fails_the_requests_and_ends_the_engine(tiny_model_f
     assert "tensor-parallel worker rank 1" in str(error) or "tensor-parallel rank 1" in str(error), str(error)
     llm.shutdown()
     _wait_gone(processes)
+
+
+def test_a_cluster_without_the_resources_is_a_startup_error(tiny_model_factory):
+    """More ranks than the local cluster has CPUs: refused before any rank starts, saying what is missing."""
+    model = tiny_model_factory("qwen3", num_hidden_layers=2)
+    with pytest.raises(EngineStartupError, match=r"tensor_parallel_size=512 needs 512 CPUs in the Ray cluster, "
+                                                 r"it has \d+"):
+        LLM(model, tensor_parallel_size=512, distributed_executor_backend="ray", **ENGINE)
