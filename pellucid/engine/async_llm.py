@@ -45,17 +45,20 @@ class RequestFailedError(RuntimeError):
 
 
 class RequestStream:
-    """Cumulative outputs of one request, read on the event loop that added it.
+    """Outputs of one request, read on the event loop that added it.
 
-    Iterating yields `RequestOutput`s until the finished one; a failed request raises
-    `RequestFailedError`. Cancelling the reader, or calling `cancel()` before the request finished,
-    aborts the request in the engine.
+    Iterating yields outputs until the finished one; a failed request raises `RequestFailedError`.
+    Cancelling the reader, or calling `cancel()` before the request finished, aborts the request through
+    its owner (AsyncLLM, or AsyncOmni in every stage). With `skip_to_newest` (AsyncLLM's cumulative
+    outputs) a slow reader gets only the newest output; without it (AsyncOmni's, each carrying audio of
+    its own) every output.
     """
 
-    def __init__(self, request_id: str, async_llm: "AsyncLLM") -> None:
+    def __init__(self, request_id: str, owner: Any, skip_to_newest: bool = True) -> None:
         self.request_id = request_id
-        self._async_llm = async_llm
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._owner = owner            # anything with abort(request_id)
+        self._skip_to_newest = skip_to_newest
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._done = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -69,12 +72,12 @@ class RequestStream:
         """Abort the request unless it already finished (idempotent)."""
         if not self._done:
             self._done = True
-            self._async_llm.abort(self.request_id)
+            self._owner.abort(self.request_id)
 
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> Any:
         if self._done:
             raise StopAsyncIteration
         try:
@@ -82,8 +85,9 @@ class RequestStream:
         except asyncio.CancelledError:
             self.cancel()
             raise
-        # Outputs are cumulative: a slow reader may skip straight to the newest one.
-        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+        # Cumulative outputs: a slow reader may skip straight to the newest one.
+        while (self._skip_to_newest and not isinstance(item, BaseException) and not item.finished
+               and not self._queue.empty()):
             item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             self._done = True

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Callable
 
+from pellucid.engine.async_llm import RequestFailedError, RequestStream
 from pellucid.logger import get_logger
 from pellucid.pipeline.graph import PipelineGraph, qwen3_omni_graph
 from pellucid.pipeline.pipeline import OmniRequestOutput, Pipeline
@@ -18,51 +19,6 @@ from pellucid.pipeline.qwen3_omni import AudioRequest
 from pellucid.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
-
-
-class OmniRequestFailed(RuntimeError):
-    def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(f"request {request_id} failed: {message}")
-        self.request_id = request_id
-        self.message = message
-
-
-class OmniStream:
-    """A request's outputs (text cumulative, audio new in each), read on the event loop that added it;
-    the finished one last. Cancelling (or `cancel()`) aborts the request in every stage. Unlike AsyncLLM's
-    RequestStream, a slow reader gets every output, never only the newest: each carries audio of its own."""
-
-    def __init__(self, request_id: str, owner: "AsyncOmni") -> None:
-        self.request_id = request_id
-        self._owner = owner
-        self._queue: asyncio.Queue[OmniRequestOutput | BaseException] = asyncio.Queue()
-        self._done = False
-
-    def put(self, item: OmniRequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def cancel(self) -> None:
-        if not self._done:
-            self._done = True
-            self._owner.abort(self.request_id)
-
-    def __aiter__(self) -> "OmniStream":
-        return self
-
-    async def __anext__(self) -> OmniRequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
 
 
 class AsyncOmni:
@@ -79,7 +35,7 @@ class AsyncOmni:
         self.tokenizer = self.pipeline.tokenizer
         self.info = self.pipeline.clients[self.pipeline.first].info
         self.max_model_len = self.info.max_model_len
-        self._streams: dict[str, OmniStream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead_callbacks: list[Callable[[str], None]] = []
@@ -93,12 +49,13 @@ class AsyncOmni:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           audio: AudioRequest | None = AudioRequest(), extras: dict[str, Any] | None = None
-                          ) -> OmniStream:
+                          ) -> RequestStream:
         """Queue a request in every stage it needs; ValueError for a bad one (nothing queued)."""
         self._ensure_tasks()
         if self.pipeline.dead is not None:
             raise RuntimeError(self.pipeline.dead)
-        stream = OmniStream(request_id, self)
+        # Every output: each carries audio of its own (text is cumulative).
+        stream = RequestStream(request_id, self, skip_to_newest=False)
         self.pipeline.add_request(request_id, prompt, params, audio, extras)
         self._streams[request_id] = stream
         return stream
@@ -157,7 +114,7 @@ class AsyncOmni:
                 if report.finished:
                     del self._streams[report.request_id]
                     if report.error is not None and not (report.text and report.text.outputs):
-                        stream.put(OmniRequestFailed(report.request_id, report.error))
+                        stream.put(RequestFailedError(report.request_id, report.error))
                         continue
                 stream.put(report)
             if outputs.engine_error is not None:

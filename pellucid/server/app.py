@@ -92,11 +92,9 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
 class OpenAIServer:
     """Routes and per-request plumbing; one instance per app."""
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, api_key: str | None,
-                 extract_dir: str | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, extract_dir: str | None = None) -> None:
         self.llm = llm
         self.model_name = served_model_name
-        self.api_key = api_key
         self.tokenizer = llm.tokenizer
         self.metrics = ServerMetrics(served_model_name)
         self.lm_head = llm.info.lm_head          # the head's describe(); its row counters come with the stats
@@ -104,15 +102,6 @@ class OpenAIServer:
         self.extraction = ServerExtraction(llm, extract_dir)   # the extract_hidden_states field
 
     # ---- plumbing ----------------------------------------------------------------------------
-
-    async def check_api_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
-            raise ProtocolError("invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                status=401, error_type="authentication_error", code="invalid_api_key")
 
     async def parse(self, request: Request, model: type[ModelT]) -> ModelT:
         body = await request.body()
@@ -478,7 +467,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               log_stats_interval: float | None = None, extract_dir: str | None = None) -> FastAPI:
     """The app; `log_stats_interval` > 0 logs a stats line that often while the app runs; `extract_dir` is
     where `extract_hidden_states` with output "server" writes (None: inline only)."""
-    server = OpenAIServer(async_llm, served_model_name, api_key, extract_dir)
+    server = OpenAIServer(async_llm, served_model_name, extract_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -496,17 +485,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app = FastAPI(title="Pellucid OpenAI-compatible server", version=pellucid.__version__, lifespan=lifespan)
     app.state.openai_server = server
 
-    async def require_key(request: Request) -> None:
-        await server.check_api_key(request)
-
-    # The key check runs as a dependency; its ProtocolError must become a 401 body, not a 500.
-    async def protocol_error(_request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ProtocolError)
-        return error_response(exc)
-
-    app.add_exception_handler(ProtocolError, protocol_error)
-
-    protected = APIRouter(dependencies=[Depends(require_key)])
+    protected = protected_router(app, api_key)
     protected.add_api_route("/v1/completions", _guarded(server, server.completions), methods=["POST"])
     protected.add_api_route("/v1/chat/completions", _guarded(server, server.chat_completions), methods=["POST"])
     protected.add_api_route("/tokenize", _guarded(server, server.tokenize), methods=["POST"])
@@ -515,6 +494,25 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app.include_router(protected)
     add_service_routes(app, lambda: async_llm.is_running, server.metrics_text)
     return app
+
+
+def protected_router(app: FastAPI, api_key: str | None) -> APIRouter:
+    """A router whose routes need `Authorization: Bearer <api_key>` (none when api_key is None); the app
+    answers a ProtocolError with its OpenAI error body (the key check runs as a dependency: a 401, not a 500)."""
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            raise ProtocolError("invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                status=401, error_type="authentication_error", code="invalid_api_key")
+
+    async def protocol_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProtocolError)
+        return error_response(exc)
+
+    app.add_exception_handler(ProtocolError, protocol_error)
+    return APIRouter(dependencies=[Depends(require_key)])
 
 
 def add_service_routes(app: FastAPI, is_running: Callable[[], bool],

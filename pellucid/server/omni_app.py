@@ -17,18 +17,19 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 import pellucid
+from pellucid.engine.async_llm import RequestFailedError, RequestStream
 from pellucid.engine.input_processor import ExtrasError
 from pellucid.logger import get_logger
-from pellucid.pipeline.async_omni import AsyncOmni, OmniRequestFailed, OmniStream
+from pellucid.pipeline.async_omni import AsyncOmni
 from pellucid.pipeline.pipeline import OmniRequestOutput
 from pellucid.pipeline.qwen3_omni import AudioRequest
 from pellucid.server.app import (ClientDisconnected, EventStream, add_service_routes, error_response, sse_event,
-                                 error_response_body)
+                                 error_response_body, protected_router)
 from pellucid.server.audio import FORMATS, pcm16, wav, wav_header
 from pellucid.server.protocol import (ChatCompletionRequest, ModelCard, ModelList, ProtocolError, UsageInfo,
                                       chat_template_messages, new_id, validation_error)
@@ -108,20 +109,10 @@ class OmniMetrics:
 
 
 class OmniServer:
-    def __init__(self, omni: AsyncOmni, served_model_name: str, api_key: str | None) -> None:
+    def __init__(self, omni: AsyncOmni, served_model_name: str) -> None:
         self.omni = omni
         self.model_name = served_model_name
-        self.api_key = api_key
         self.metrics = OmniMetrics(served_model_name, list(omni.pipeline.graph.order))
-
-    async def check_api_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        import secrets
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
-            raise ProtocolError("invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                status=401, error_type="authentication_error", code="invalid_api_key")
 
     async def parse(self, request: Request) -> ChatCompletionRequest:
         import json
@@ -188,7 +179,7 @@ class OmniServer:
             raise ProtocolError(str(exc), param="audio") from exc
         return AudioRequest(voice), audio_format
 
-    async def _collect(self, stream: OmniStream) -> tuple[OmniRequestOutput, list[Any]]:
+    async def _collect(self, stream: RequestStream) -> tuple[OmniRequestOutput, list[Any]]:
         samples: list[Any] = []
         final = None
         try:
@@ -196,7 +187,7 @@ class OmniServer:
                 if len(output.audio):
                     samples.append(output.audio)
                 final = output
-        except OmniRequestFailed as exc:
+        except RequestFailedError as exc:
             self.metrics.failure.inc()
             raise ProtocolError(exc.message, status=500, error_type="internal_server_error") from exc
         assert final is not None
@@ -227,7 +218,7 @@ class OmniServer:
                                        total_tokens=num_prompt + num_completion).model_dump()}
         return with_saves(response, {0: final.text}) if final.text is not None else response
 
-    async def _events(self, body: ChatCompletionRequest, request_id: str, stream: OmniStream,
+    async def _events(self, body: ChatCompletionRequest, request_id: str, stream: RequestStream,
                       audio_format: str | None) -> AsyncIterator[str]:
         def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
             return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -256,7 +247,7 @@ class OmniServer:
                     yield sse_event(chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
                 if output.finished:
                     if output.error is not None:
-                        raise OmniRequestFailed(request_id, output.error)
+                        raise RequestFailedError(request_id, output.error)
                     last = {"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_EXPIRY_SECONDS}} \
                         if audio_format is not None else {}
                     yield sse_event(chunk(last, completion.finish_reason if completion else "stop"))
@@ -267,7 +258,7 @@ class OmniServer:
                 self.metrics.request_done(final)
             else:
                 self.metrics.failure.inc()
-            message = exc.message if isinstance(exc, OmniRequestFailed) else f"{type(exc).__name__}: {exc}"
+            message = exc.message if isinstance(exc, RequestFailedError) else f"{type(exc).__name__}: {exc}"
             yield sse_event(error_response_body(ProtocolError(message, status=500, error_type="internal_server_error")))
         finally:
             stream.cancel()
@@ -307,18 +298,9 @@ class OmniServer:
 
 
 def build_omni_app(omni: AsyncOmni, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    server = OmniServer(omni, served_model_name, api_key)
+    server = OmniServer(omni, served_model_name)
     app = FastAPI(title="Pellucid speech pipeline (OpenAI-compatible)", version=pellucid.__version__)
     app.state.omni_server = server
-
-    async def require_key(request: Request) -> None:
-        await server.check_api_key(request)
-
-    async def protocol_error(_request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ProtocolError)
-        return error_response(exc)
-
-    app.add_exception_handler(ProtocolError, protocol_error)
 
     async def chat(request: Request) -> Response:
         try:
@@ -336,7 +318,7 @@ def build_omni_app(omni: AsyncOmni, served_model_name: str, api_key: str | None 
     async def models() -> Response:
         return await server.models()
 
-    protected = APIRouter(dependencies=[Depends(require_key)])
+    protected = protected_router(app, api_key)
     protected.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     protected.add_api_route("/v1/models", models, methods=["GET"])
     app.include_router(protected)
