@@ -163,40 +163,41 @@ class WorkerGroup:
         self._dir = tempfile.mkdtemp(prefix="pellucid-tp-")    # private (0700): sockets and the rendezvous file
         reply_address = f"ipc://{self._dir}/replies"
         self._replies.bind(reply_address)
-        init_method = f"file://{self._dir}/rendezvous"
-        # CPU ranks share the machine's cores; a GPU rank needs few CPU threads.
-        threads = max(1, torch.get_num_threads() // self.size)
-        for rank in range(1, self.size):
-            sock = self._context.socket(zmq.PUSH)
+
+        def step_address(sock: zmq.Socket, rank: int) -> str:
             address = f"ipc://{self._dir}/steps-{rank}"
             sock.bind(address)
-            self._steps.append(sock)
-            worker_device = str(rank_device(device, rank, self.size))
-            settings = WorkerSettings(config, rank, self.size, worker_device, init_method, address, reply_address,
-                                      get_logger().getEffectiveLevel(), threads)
-            self._workers[rank] = LocalWorker(start_child("pellucid.distributed.worker", settings))
-        self._wait_started()
-        if device.type == "cpu":
-            torch.set_num_threads(threads)
-        self.tp = init_tensor_parallel(0, self.size, self.device, init_method, timeout_s=STARTUP_TIMEOUT_S)
+            return address
+        # CPU ranks share the machine's cores; a GPU rank needs few CPU threads.
+        self._start_workers(config, device, f"file://{self._dir}/rendezvous", reply_address, step_address,
+                            lambda rank: str(rank_device(device, rank, self.size)),
+                            max(1, torch.get_num_threads() // self.size),
+                            lambda settings: LocalWorker(start_child("pellucid.distributed.worker", settings)))
 
     def _start_ray_workers(self, config: EngineConfig, device: torch.device) -> None:
         from pellucid.distributed.ray_workers import RayRanks, free_tcp_port
         self._ray = RayRanks(self.size, device, STARTUP_TIMEOUT_S)
         self.device = self._ray.rank0_device
         host = self._ray.node_ip
-        self._replies.bind(f"tcp://{_bind_host(host)}:0")
-        reply_address = _connect_address(self._replies, host)
-        init_method = f"tcp://{host}:{free_tcp_port()}"
-        threads = max(1, torch.get_num_threads() // self.size) if device.type == "cpu" else 1
+        # Each actor sees only its own GPU.
+        self._start_workers(config, device, f"tcp://{host}:{free_tcp_port()}", _bind_tcp(self._replies, host),
+                            lambda sock, _rank: _bind_tcp(sock, host),
+                            lambda _rank: "cuda:0" if device.type == "cuda" else "cpu",
+                            max(1, torch.get_num_threads() // self.size) if device.type == "cpu" else 1,
+                            self._ray.start_worker)
+
+    def _start_workers(self, config: EngineConfig, device: torch.device, init_method: str, reply_address: str,
+                       step_address: Callable[[zmq.Socket, int], str], worker_device: Callable[[int], str],
+                       threads: int, start_worker: Callable[[WorkerSettings], Any]) -> None:
+        """Ranks 1..N-1, each with its step socket (`step_address` binds it and says where the worker connects)
+        and started by `start_worker`; once all are up, the rendezvous as rank 0."""
         for rank in range(1, self.size):
             sock = self._context.socket(zmq.PUSH)
-            sock.bind(f"tcp://{_bind_host(host)}:0")
             self._steps.append(sock)
-            settings = WorkerSettings(config, rank, self.size, "cuda:0" if device.type == "cuda" else "cpu",
-                                      init_method, _connect_address(sock, host), reply_address,
-                                      get_logger().getEffectiveLevel(), threads)
-            self._workers[rank] = self._ray.start_worker(settings)
+            settings = WorkerSettings(config, rank, self.size, worker_device(rank), init_method,
+                                      step_address(sock, rank), reply_address, get_logger().getEffectiveLevel(),
+                                      threads)
+            self._workers[rank] = start_worker(settings)
         self._wait_started()
         if device.type == "cpu":
             torch.set_num_threads(threads)
@@ -233,13 +234,11 @@ class WorkerGroup:
         self.device = rank_device(device, int(os.environ.get("LOCAL_RANK", "0")), self.size)
         self.tp = init_tensor_parallel(0, self.size, self.device, "env://", timeout_s=STARTUP_TIMEOUT_S)
         host = os.environ.get("PELLUCID_TP_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        self._replies.bind(f"tcp://{_bind_host(host)}:0")
-        addresses = {"reply": _connect_address(self._replies, host), "steps": {}}
+        addresses = {"reply": _bind_tcp(self._replies, host), "steps": {}}
         for rank in range(1, self.size):
             sock = self._context.socket(zmq.PUSH)
-            sock.bind(f"tcp://{_bind_host(host)}:0")
             self._steps.append(sock)
-            addresses["steps"][rank] = _connect_address(sock, host)
+            addresses["steps"][rank] = _bind_tcp(sock, host)
         dist.broadcast_object_list([addresses], src=0, group=self.tp.cpu_group)
 
     # ---- steps ----------------------------------------------------------------------------------------
@@ -383,10 +382,9 @@ def start_driver_rank(config: EngineConfig, device: torch.device) -> RankSetup:
         raise TensorParallelStartupError(f"tensor-parallel start-up failed: {reason}") from exc
 
 
-def _bind_host(host: str) -> str:
-    return "*" if host not in ("127.0.0.1", "localhost") else "127.0.0.1"
-
-
-def _connect_address(sock: zmq.Socket, host: str) -> str:
+def _bind_tcp(sock: zmq.Socket, host: str) -> str:
+    """Bind `sock` to a free TCP port (on every interface unless `host` is the loopback); the address other
+    machines connect to."""
+    sock.bind(f"tcp://{'127.0.0.1' if host in ('127.0.0.1', 'localhost') else '*'}:0")
     port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
     return f"tcp://{host}:{port}"
