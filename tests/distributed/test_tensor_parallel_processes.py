@@ -15,16 +15,9 @@ import pytest
 from pellucid import LLM, SamplingParams
 from pellucid.bench.serve import child_pids
 from pellucid.engine.core_client import EngineDeadError, EngineStartupError
-from tests.server.server_harness import REPO_ROOT, alive, free_port
+from tests.server.server_harness import REPO_ROOT, cmdline, free_port, wait_gone
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64)
-
-
-def _wait_gone(pids: list[int], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"processes still alive: {[p for p in pids if alive(p)]}"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("busy", [True, False], ids=["generating", "idle"])
@@ -34,7 +27,7 @@ def test_a_killed_worker_fails_the_requests_and_ends_the_engine(tiny_model_facto
     llm = LLM(tiny_model_factory("qwen3", num_hidden_layers=2), tensor_parallel_size=2, **ENGINE)
     engine = llm.client.pid
     workers = [pid for pid in child_pids(engine)
-               if "pellucid.distributed.worker" in open(f"/proc/{pid}/cmdline").read()]
+               if "pellucid.distributed.worker" in cmdline(pid)]
     assert len(workers) == 1
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     outcome: dict[str, BaseException] = {}
@@ -62,7 +55,7 @@ def test_a_killed_worker_fails_the_requests_and_ends_the_engine(tiny_model_facto
     error = outcome.get("error")
     assert isinstance(error, EngineDeadError), error
     assert "tensor-parallel worker rank 1 was killed by SIGKILL" in str(error)
-    _wait_gone([engine, *workers])
+    wait_gone([engine, *workers], timeout=20)
     llm.shutdown()
 
 

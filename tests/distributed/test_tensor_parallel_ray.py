@@ -15,7 +15,7 @@ from pellucid import LLM, SamplingParams
 from pellucid.bench.serve import child_pids
 from pellucid.engine.core_client import EngineDeadError, EngineStartupError
 from tests.reference import random_prompts
-from tests.server.server_harness import alive
+from tests.server.server_harness import alive, cmdline, wait_gone
 
 pytest.importorskip("ray", reason="the ray backend needs Ray (in the test extras)")
 
@@ -37,29 +37,9 @@ def _rank_actor(engine: int) -> int:
     """The process of rank 1's actor, among the engine process's descendants: Ray titles an actor's process
     ray::RankActor.run while it runs `run` (the idle actor that holds rank 0's bundle is ray::RankActor)."""
     for pid in _descendants(engine):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"ray::RankActor.run" in f.read():
-                    return pid
-        except FileNotFoundError:
-            continue
+        if "ray::RankActor.run" in cmdline(pid):
+            return pid
     raise AssertionError("no ray::RankActor process under the engine process")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            text = f.read().replace(b"\0", b" ").decode(errors="replace")
-        return f"{pid}: {text[:120]}"
-    except FileNotFoundError:
-        return f"{pid}: gone"
-
-
-def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"processes still alive: {[_cmdline(p) for p in pids if alive(p)]}"
-        time.sleep(0.1)
 
 
 def test_ray_ranks_generate_as_tp1_and_leave_nothing_behind(tiny_model_factory):
@@ -80,7 +60,7 @@ def test_ray_ranks_generate_as_tp1_and_leave_nothing_behind(tiny_model_factory):
         processes = [engine, *_descendants(engine)]
         tp2.shutdown()
     assert got == expected
-    _wait_gone(processes)
+    wait_gone(processes, timeout=60)
 
 
 def test_a_killed_ray_worker_fails_the_requests_and_ends_the_engine(tiny_model_factory):
@@ -109,7 +89,7 @@ def test_a_killed_ray_worker_fails_the_requests_and_ends_the_engine(tiny_model_f
     assert isinstance(error, EngineDeadError), error
     assert "tensor-parallel worker rank 1" in str(error) or "tensor-parallel rank 1" in str(error), str(error)
     llm.shutdown()
-    _wait_gone(processes)
+    wait_gone(processes, timeout=60)
 
 
 def test_a_cluster_without_the_resources_is_a_startup_error(tiny_model_factory):

@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import openai
 import pytest
-import uvicorn
 
 from pellucid import SamplingParams
 from pellucid.extraction import HiddenStatesDataset, read_manifest
 from pellucid.tracing.serialization import b64_to_tensors
 from tests.extraction.conftest import TOLERANCE, expected_states, random_prompts, relative_error
-from tests.server.server_harness import free_port
+from tests.server.server_harness import run_app_in_thread
 
 MODEL = "tiny-llama"
 LAYERS = [0, 2, -1]
@@ -27,16 +24,8 @@ def server(ext_model_dir, tmp_path_factory):
     extract_dir = tmp_path_factory.mktemp("server-extract")
     llm = AsyncLLM(ext_model_dir("llama"), served_model_name=MODEL, dtype="float32", device="cpu", num_kv_blocks=128,
                    max_model_len=64)
-    port = free_port()
-    app = build_app(llm, MODEL, extract_dir=str(extract_dir))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.02)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    url, server, thread = run_app_in_thread(build_app(llm, MODEL, extract_dir=str(extract_dir)))
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     yield client, extract_dir
     server.should_exit = True
     thread.join(30)

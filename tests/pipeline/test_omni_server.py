@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import base64
 import io
-import threading
-import time
 import wave
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from pellucid.pipeline.async_omni import AsyncOmni
 from pellucid.pipeline.graph import qwen3_omni_graph
 from pellucid.pipeline.omni import OmniLLM
 from pellucid.sampling_params import SamplingParams
 from pellucid.server.omni_app import build_omni_app
-from tests.server.server_harness import PELLUCID_CLI, free_port, parse_metric, start_serve_process, wait_healthy
+from tests.server.server_harness import (PELLUCID_CLI, free_port, parse_metric, run_app_in_thread, start_serve_process,
+                                         wait_healthy)
 
 openai = pytest.importorskip("openai")
 
@@ -52,16 +50,8 @@ def offline(omni_dir):
 @pytest.fixture(scope="module")
 def omni_server(omni_dir):
     omni = AsyncOmni(omni_dir, GRAPH, engine_process=False, served_model_name=MODEL, **ENGINE_KWARGS)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_omni_app(omni, MODEL), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", omni
+    url, server, thread = run_app_in_thread(build_omni_app(omni, MODEL))
+    yield url, omni
     server.should_exit = True
     thread.join(30)
     omni.shutdown()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 from dataclasses import dataclass
 
 import httpx
@@ -31,9 +32,9 @@ def free_port() -> int:
 @dataclass
 class RunningServer:
     url: str
-    llm: AsyncLLM
     server: uvicorn.Server
     thread: threading.Thread
+    llm: AsyncLLM
 
     @property
     def base_url(self) -> str:
@@ -55,9 +56,10 @@ def parse_metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
-def start_server(llm: AsyncLLM, api_key: str | None = None) -> RunningServer:
+def run_app_in_thread(app: Any) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """Serve an ASGI app from a thread of this process: (its URL, the server, the thread) once it listens.
+    Stop it with `server.should_exit = True` and a join of the thread."""
     port = free_port()
-    app = build_app(llm, MODEL_NAME, api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -66,7 +68,11 @@ def start_server(llm: AsyncLLM, api_key: str | None = None) -> RunningServer:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    return RunningServer(f"http://127.0.0.1:{port}", llm, server, thread)
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+def start_server(llm: AsyncLLM, api_key: str | None = None) -> RunningServer:
+    return RunningServer(*run_app_in_thread(build_app(llm, MODEL_NAME, api_key=api_key)), llm=llm)
 
 
 def random_prompts(seed: int, count: int) -> list[str]:
@@ -82,6 +88,24 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def cmdline(pid: int) -> str:
+    """A process's command line, spaces between the arguments ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except FileNotFoundError:
+        return ""
+
+
+def wait_gone(pids: list[int], timeout: float) -> None:
+    """Until none of `pids` runs; the assertion names the ones still alive."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, \
+            f"processes still alive: {[f'{p}: {cmdline(p)[:120]}' for p in pids if alive(p)]}"
+        time.sleep(0.05)
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.02) -> None:
