@@ -27,6 +27,27 @@ class RequestResult:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+
+    def observe(self, chunk: dict) -> None:
+        """One streamed chunk: its usage, and the arrival of a chunk with a choice (TTFT, then the gaps).
+        Every chunk with a choice carries new text; a tokenizer that spells every id (the named benchmark
+        shapes have one) makes that one chunk per token."""
+        if chunk.get("usage"):
+            self.output_tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices"):
+            now = time.perf_counter()
+            if self.last_token is None:
+                self.ttft = now - self.started
+            else:
+                self.itls.append(now - self.last_token)
+            self.last_token = now
+
+    def finish(self) -> "RequestResult":
+        self.latency = time.perf_counter() - self.started
+        self.ok = True
+        return self
 
 
 def make_requests(num: int, input_lens: tuple[int, int], output_lens: tuple[int, int], token_ids: tuple[int, int],
@@ -54,9 +75,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, requ
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    start = time.perf_counter()
     result = RequestResult(ok=False, prompt_tokens=len(request.prompt))
-    last = None
     try:
         async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
@@ -69,23 +88,11 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, requ
                 if "error" in chunk:
                     result.error = chunk["error"]["message"]
                     return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                # Every chunk with a choice carries new text; a tokenizer that spells every id (the named
-                # benchmark shapes have one) makes that one chunk per token.
-                if chunk.get("choices"):
-                    now = time.perf_counter()
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
+                result.observe(chunk)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
-    result.latency = time.perf_counter() - start
-    result.ok = True
-    return result
+    return result.finish()
 
 
 async def drive(base_url: str, requests: list[LoadRequest], rate: float, arrivals: str = "poisson",
@@ -94,9 +101,9 @@ async def drive(base_url: str, requests: list[LoadRequest], rate: float, arrival
     """Send `requests` (all at once for rate inf, else `rate` per second, Poisson or fixed gaps); returns the
     results and the wall time from the first request to the last response.
 
-    The client is aiohttp: httpx spent ~75 us of client CPU per streamed token (its connection pool and
-    line iterator), so one client process capped a fast server near 13k tok/s and delivered tokens in
-    bursts that showed as near-zero inter-token gaps. aiohttp costs ~18 us per token."""
+    The client is aiohttp: httpx spent ~70 us of client CPU per streamed token against aiohttp's ~30
+    (benchmarks/sse_client_bench.py), so one httpx client process capped a fast server and delivered tokens
+    in bursts that showed as near-zero inter-token gaps."""
     rng = random.Random(seed)
     base = base_url.rstrip("/")
     connector = aiohttp.TCPConnector(limit=0)          # no pool limit: every request is its own stream
