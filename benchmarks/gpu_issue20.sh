@@ -13,12 +13,14 @@ sections=${*:-tests bench}
 
 for s in $sections; do
   case $s in
-    tests) run omni_gpu_tests 200 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_omni_gpu.py ;;
-    # Qwen3-Omni-30B-A3B shapes (thinker trimmed to fit under 100 GB), async chunk vs stage after stage.
-    # 100 frames (8 s of audio): at the eager talker's ~150 ms a frame (2026-11-25), one mode with 12 thinker
-    # layers took ~150 s; 250 frames and both modes do not fit one call. Run it alone in a call.
+    tests) run omni_gpu_tests 220 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_omni_gpu.py ;;
+    # Qwen3-Omni-30B-A3B shapes (thinker trimmed to fit an H100), async chunk vs stage after stage, CUDA graphs
+    # on the thinker, talker and code predictor. 100 frames (8 s of audio). The eager pipeline (2026-11-25,
+    # ~150 ms a frame) did not fit both modes in one call; run `bench_eager` for that baseline.
     bench) run omni_bench 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 --text-tokens 200 \
              --talker-frames 100 ;;
+    bench_eager) run omni_bench_eager 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --text-tokens 200 \
+             --talker-frames 100 --enforce-eager ;;
     # A quicker pass if the full one runs out of time: fewer frames, two levels.
     bench_small) run omni_bench_small 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8 \
                    --text-tokens 100 --talker-frames 120 ;;

@@ -14,8 +14,9 @@ last column is async chunk / stage after stage.
 Shapes: `full` is Qwen3-Omni-30B-A3B-Instruct's (thinker 48 layers, 128 experts, top 8, hidden 2048; talker
 20 layers, 128 experts, hidden 1024, 16 codebooks; code2wav 8 layers); bf16 weights about 68 GB, so on a
 device under 100 GB `--thinker-layers` trims the thinker (the script says which it ran). Weights are
-random, drawn at load (no files). Pipeline stages run eagerly (stage requests do not replay CUDA graphs
-yet), so every stage is started with enforce_eager.
+random, drawn at load (no files). The thinker's and talker's decode steps replay CUDA graphs (the talker's
+code predictor its own), unless `--enforce-eager`; after each mode the script prints each stage's graph
+steps and head paths, so a table that ran eagerly says so.
 
 Goals (issue 20): TTFP async <= 0.25 x stage-after-stage at concurrency 1; throughput at 32 not below;
 RTF < 0.1.
@@ -147,10 +148,14 @@ def main() -> int:
     parser.add_argument("--chunk-size", type=int, default=25, help="async chunk: rows per chunk on both edges")
     parser.add_argument("--decode-chunk", type=int, default=25, help="code2wav window, frames")
     parser.add_argument("--left-context", type=int, default=25)
+    parser.add_argument("--enforce-eager", action="store_true", help="every stage's steps eagerly (no CUDA graphs)")
+    parser.add_argument("--max-num-seqs", type=int, default=64,
+                        help="thinker and talker batch limit (CUDA graphs are captured up to it)")
     args = parser.parse_args()
 
     work = tempfile.mkdtemp(prefix="omni-bench-")
-    kwargs: dict = dict(device=args.device, enforce_eager=True, max_model_len=4096)
+    kwargs: dict = dict(device=args.device, enforce_eager=args.enforce_eager, max_model_len=4096,
+                        max_num_seqs=args.max_num_seqs)
     if args.shape == "tiny":
         from pellucid.tiny_omni import build_tiny_omni
         model = build_tiny_omni(work)
@@ -182,6 +187,10 @@ def main() -> int:
             for c in levels:
                 results[(mode, c)] = r = run_level(omni, c, max(2, args.requests_per_level) * c, args)
                 print(f"  {mode} c={c}: {r}", flush=True)
+            for stage, stats in omni.stats().items():
+                if stats is not None:
+                    print(f"  {mode} {stage}: {stats.num_steps} steps, {stats.num_graph_steps} replayed a CUDA graph; "
+                          f"head paths {stats.lm_head_usage}", flush=True)
     print()
     print("| concurrency | figure | async chunk | stage after stage | async / stage-after-stage |")
     print("| --- | --- | --- | --- | --- |")

@@ -111,6 +111,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_steps: int = 0
     step_seconds: float = 0.0                # wall time spent in steps (the engine's busy time)
     num_steps_ahead: int = 0
+    num_graph_steps: int = 0                 # steps that replayed a decode CUDA graph
     num_step_failures: int = 0
     num_aborted: int = 0
     num_requests_added: int = 0              # requests the engine core queued

@@ -57,6 +57,10 @@ class LMHead(ABC):
     def sample(self, hidden: torch.Tensor, sampling: SamplingMetadata, sampler: Any) -> SamplerOutput:
         """Sample one token per row of hidden [R, hidden]."""
 
+    def capture_cuda_graphs(self, row_counts: list[int]) -> None:
+        """Capture the head's own CUDA graphs for batches of these sampling row counts (the runner's decode
+        graph sizes), once the KV cache is allocated. Most heads have none."""
+
     def describe(self) -> dict[str, Any]:
         """Name and parameters, for the startup log line, /metrics and /v1/models."""
         return {"name": self.name}

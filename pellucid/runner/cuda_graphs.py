@@ -13,15 +13,21 @@ longest length a replay can serve.
 
 A step runs eagerly when it has a prefill row, more requests than the largest graph, a traced request
 whose ops are not all tracing taps (or any request extras key registered with
-`require_eager_for_extras_key`), or when the model keeps recurrent state (its per-request state
-indexing is built per step). A traced step whose ops are all taps replays a variant captured with
-those taps (`ensure_variant`, keyed by size and tapped targets, captured lazily, capped).
+`require_eager_for_extras_key` that the model does not serve in its graphs, below), or when the model
+keeps recurrent state (its per-request state indexing is built per step). A traced step whose ops are
+all taps replays a variant captured with those taps (`ensure_variant`, keyed by size and tapped
+targets, captured lazily, capped).
+
+A model whose forward reads per-step inputs besides token ids (forward-context extras a step hook
+makes, such as a pipeline stage's inputs) can still replay graphs by implementing `GraphStepInputs`:
+it keeps those inputs in device buffers of fixed addresses, which the graphs are captured reading and
+which every replayed step refreshes (device copies, no sync).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Hashable, Iterator
+from typing import Any, Callable, Collection, Hashable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -37,6 +43,24 @@ logger = get_logger(__name__)
 _EAGER_EXTRAS_KEYS: set[str] = {"trace"}
 # Graph variants captured with tracing taps (per batch size and tapped targets); more run eagerly.
 MAX_TAP_VARIANTS = 16
+
+
+class GraphStepInputs(Protocol):
+    """What a model implements to take forward-context extras inside its decode graphs."""
+
+    # Request extras keys whose steps may replay this model's graphs although the key asks for eager steps
+    # (require_eager_for_extras_key): the model serves what the feature needs without Python in the forward.
+    graph_extras_keys: frozenset[str]
+
+    def prepare_cuda_graphs(self, max_graph_size: int, max_num_tokens: int) -> None:
+        """Allocate the fixed buffers, before any capture (max_num_tokens: the largest step, eager or not)."""
+
+    def graph_step_extras(self, size: int) -> dict[str, Any]:
+        """The forward-context extras a graph of `size` rows is captured with: views of the fixed buffers."""
+
+    def load_graph_step_extras(self, size: int, extras: dict[str, Any]) -> None:
+        """Copy a replayed step's extras (its real rows, <= size) into the buffers `graph_step_extras(size)`
+        returned, queued on the current stream."""
 
 
 def require_eager_for_extras_key(key: str) -> None:
@@ -108,6 +132,11 @@ class DecodeCudaGraphs:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = sorted(set(sizes))
+        # Extras keys the model serves inside its graphs (GraphStepInputs), and its fixed input buffers.
+        self.model_extras_keys = frozenset(getattr(model, "graph_extras_keys", ()))
+        prepare = getattr(model, "prepare_cuda_graphs", None)
+        if prepare is not None:
+            prepare(self.sizes[-1], buffers.max_num_tokens)
         self._graphs: dict[int, _CapturedGraph] = {}
         self._pool: Any = None
         self._capture_stream: torch.cuda.Stream | None = None
@@ -135,7 +164,7 @@ class DecodeCudaGraphs:
             return None      # a prefill or chunked-prefill row
         # The keys that force eager steps here, computed once (not one set per request: a traced batch of
         # 64 spent ~65 us a step on that on the H100 machine's CPU).
-        eager_keys = _EAGER_EXTRAS_KEYS.difference(handled_extras_keys)
+        eager_keys = _EAGER_EXTRAS_KEYS.difference(handled_extras_keys).difference(self.model_extras_keys)
         if eager_keys and any(req.extras and not eager_keys.isdisjoint(req.extras) for req in so.requests):
             return None
         index = int(np.searchsorted(self.sizes, num_reqs))
@@ -182,9 +211,11 @@ class DecodeCudaGraphs:
             block_table_cpu=bufs.block_table.cpu[:size],
         )
         input_ids = inputs.input_ids
+        step_extras = getattr(self.model, "graph_step_extras", None)
         context = ForwardContext(attn_metadata=common, backend=self.backend,
                                  backend_metadata=self.backend.build_metadata(common), kv_caches=kv_caches,
-                                 positions=inputs.positions, token_to_req=inputs.token_to_req)
+                                 positions=inputs.positions, token_to_req=inputs.token_to_req,
+                                 extras=step_extras(size) if step_extras is not None else {})
         with forward_context(context), (hooks(size) if hooks is not None else contextlib.nullcontext()):
             for _ in range(2):      # compile the Triton kernels and warm the allocator outside the capture
                 self.model(input_ids)
@@ -214,9 +245,16 @@ class DecodeCudaGraphs:
         return True
     # ---- tracing tap variants (end) ----
 
-    def replay(self, size: int, tap_key: Hashable = ()) -> torch.Tensor:
+    def replay(self, size: int, tap_key: Hashable = (), extras: dict[str, Any] | None = None) -> torch.Tensor:
         """Run the graph of `size` (captured with the taps of `tap_key`, if any); its inputs must already
-        be copied (build_step_batch padded to `size`). Returns [size, hidden]."""
+        be copied (build_step_batch padded to `size`); `extras`, the step's forward-context extras, go to
+        the model's fixed buffers first (GraphStepInputs). Returns [size, hidden]."""
+        if extras:
+            load = getattr(self.model, "load_graph_step_extras", None)
+            if load is None:
+                raise RuntimeError(f"a graph step carries forward-context extras {sorted(extras)} that "
+                                   f"{type(self.model).__name__} cannot take inside its graphs")
+            load(size, extras)
         captured = self._tap_graphs[(size, tap_key)] if tap_key else self._graphs[size]
         self.num_tap_replays += bool(tap_key)
         captured.graph.replay()

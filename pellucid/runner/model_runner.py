@@ -157,6 +157,11 @@ class ModelRunner:
             self.tap_runtime.last_trace = None
 
     @property
+    def num_graph_steps(self) -> int:
+        """Steps that replayed a decode CUDA graph (EngineStats)."""
+        return self.cuda_graphs.num_replays if self.cuda_graphs is not None else 0
+
+    @property
     def supports_prefix_caching(self) -> bool:
         """False for models whose state cannot be rebuilt from cached KV blocks (hybrid models)."""
         return bool(getattr(self.model, "supports_prefix_caching", True))
@@ -239,6 +244,7 @@ class ModelRunner:
         self.kv_caches = self._new_kv_caches(num_blocks)
         if self.cuda_graphs is not None:
             self.cuda_graphs.capture(self.kv_caches)
+            self.head.capture_cuda_graphs(self.cuda_graphs.sizes)
 
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         m = self.model
@@ -286,7 +292,7 @@ class ModelRunner:
         if trace is not None:
             trace.prepare(batch.num_padded_tokens, graph=graph_size is not None)
         if graph_size is not None:
-            hidden = self.cuda_graphs.replay(graph_size, graph_key)
+            hidden = self.cuda_graphs.replay(graph_size, graph_key, extras)
             if trace is not None:
                 trace.after_replay()
         else:

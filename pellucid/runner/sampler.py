@@ -119,15 +119,17 @@ def step_generator(seed: int, stream: int, device: torch.device) -> torch.Genera
 
 
 def exponential_noise(shape: torch.Size, device: torch.device, seeds: dict[int, int], stream: int,
-                      column_ids: torch.Tensor | None = None, domain_size: int | None = None) -> torch.Tensor:
+                      column_ids: torch.Tensor | None = None, domain_size: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Exp(1) noise [R, K]; unseeded rows draw from the global generator.
 
     A seeded row's noise at column k is draw k of its stream's generator, or, when `column_ids` [R, K] names
     which of `domain_size` items each column holds (a head's candidate tokens), draw column_ids[r, k]: an
     item gets the same draw whichever columns the row's logits have, so the row's result is a function of
-    its seed, step and distribution only. Columns with a negative id (padding) get some draw.
+    its seed, step and distribution only. Columns with a negative id (padding) get some draw. `out`: a
+    float32 tensor of `shape` to draw into.
     """
-    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    noise = out if out is not None else torch.empty(shape, dtype=torch.float32, device=device)
     if len(seeds) < shape[0]:
         noise.exponential_()
     size = shape[1] if column_ids is None else domain_size

@@ -1,5 +1,6 @@
 """DecodeCudaGraphs.size_for (no GPU needed: it reads only host state): which captured size a step replays,
-and that a request whose extras need the eager forward keeps the step eager unless the caller handles them."""
+and that a request whose extras need the eager forward keeps the step eager unless the caller handles them
+or the model serves them inside its graphs (GraphStepInputs.graph_extras_keys)."""
 from __future__ import annotations
 
 import random
@@ -16,17 +17,19 @@ def _step(extras: list[dict | None], tokens_per_request: int = 1) -> SimpleNames
                            total_num_scheduled_tokens=tokens_per_request * len(requests))
 
 
-def _graphs(sizes: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(sizes=sizes, _graphs={s: object() for s in sizes})
+def _graphs(sizes: list[int], model_keys: frozenset[str]) -> SimpleNamespace:
+    return SimpleNamespace(sizes=sizes, _graphs={s: object() for s in sizes}, model_extras_keys=model_keys)
 
 
-def _reference(sizes: list[int], so: SimpleNamespace, handled: tuple[str, ...]) -> int | None:
-    """Brute force over the rule: decode-only, fits a size, and no request holds an eager key not handled."""
+def _reference(sizes: list[int], so: SimpleNamespace, handled: tuple[str, ...], model_keys: frozenset[str]
+               ) -> int | None:
+    """Brute force over the rule: decode-only, fits a size, and no request holds an eager key that neither
+    the caller nor the model handles."""
     if so.num_reqs == 0 or so.num_reqs > sizes[-1] or so.total_num_scheduled_tokens != so.num_reqs:
         return None
     for req in so.requests:
         for key in req.extras or {}:
-            if key in ("trace", "needs_hooks") and key not in handled:
+            if key in ("trace", "needs_hooks") and key not in handled and key not in model_keys:
                 return None
     return min(s for s in sizes if s >= so.num_reqs)
 
@@ -39,4 +42,6 @@ def test_size_for_matches_the_rule_on_random_steps():
         n = rng.randint(0, 20)
         so = _step([rng.choice(choices) for _ in range(n)], tokens_per_request=rng.choice([1, 1, 1, 2]))
         handled = rng.choice([(), ("trace",), ("trace", "needs_hooks")])
-        assert DecodeCudaGraphs.size_for(_graphs(sizes), so, handled) == _reference(sizes, so, handled)
+        model_keys = rng.choice([frozenset(), frozenset({"needs_hooks"})])
+        assert DecodeCudaGraphs.size_for(_graphs(sizes, model_keys), so, handled) == \
+            _reference(sizes, so, handled, model_keys)

@@ -55,16 +55,30 @@ class CodePredictor(nn.Module):
         sampled each frame's first code, `first_code_embeds` [R, H] the talker's embedding of that code.
         `greedy`: [R] bool (device), which rows take the argmax, or None when every row does; `seeds`:
         row -> the row's step seed (SamplingMetadata.seeds) for seeded sampling rows."""
+        noise = None
+        if greedy is not None:
+            noise = self.draw_noise(hidden.shape[0], hidden.device, seeds)
+        return self.predict_codes(hidden, first_code_embeds, greedy, noise)
+
+    def noise_shape(self, rows: int) -> torch.Size:
+        return torch.Size((rows, (self.num_code_groups - 1) * int(self.config.vocab_size)))
+
+    def draw_noise(self, rows: int, device: torch.device, seeds: dict[int, int],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """One draw per (codebook, code) per row, from the row's own stream when it is seeded."""
+        return exponential_noise(self.noise_shape(rows), device, seeds, CODE_PREDICTOR_STREAM, out=out)
+
+    def predict_codes(self, hidden: torch.Tensor, first_code_embeds: torch.Tensor, greedy: torch.Tensor | None,
+                      noise: torch.Tensor | None) -> torch.Tensor:
+        """predict() with the sampling rows' noise drawn: device work only, at shapes fixed by the row count,
+        so a CUDA graph can hold it (code_predictor_graphs.py)."""
         rows = hidden.shape[0]
         attn = self.model.layers[0].self_attn
         cache = KVCache(len(self.model.layers), rows, attn.num_kv_heads, self.num_code_groups, attn.head_dim,
                         hidden.dtype, hidden.device)
         vocab = int(self.config.vocab_size)
-        noise = None
-        if greedy is not None:
-            # One draw per (codebook, code) per row, from the row's own stream when it is seeded.
-            noise = exponential_noise(torch.Size((rows, (self.num_code_groups - 1) * vocab)), hidden.device, seeds,
-                                      CODE_PREDICTOR_STREAM)
+        sampling = greedy is not None and noise is not None
+        if sampling:
             top_k = torch.full((rows,), TOP_K, dtype=torch.int64, device=hidden.device)
             top_p = torch.full((rows,), TOP_P, dtype=torch.float32, device=hidden.device)
         x = torch.stack((hidden, first_code_embeds), dim=1)
@@ -72,7 +86,7 @@ class CodePredictor(nn.Module):
         for i in range(self.num_code_groups - 1):
             logits = self.lm_head[i](self.model(x, cache)[:, -1]).float()
             code = logits.argmax(dim=-1)
-            if greedy is not None and noise is not None:
+            if sampling:
                 probs = apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
                 drawn = probs.div_(noise[:, i * vocab:(i + 1) * vocab]).argmax(dim=-1)
                 code = torch.where(greedy, code, drawn)

@@ -137,14 +137,21 @@ class DenseStack(nn.Module):
         self.layers = nn.ModuleList(DenseDecoderLayer(config, i, qk_norm, sliding_window, layer_scale, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.inv_freq, _ = rope_inv_freq(config)
+        self.inv_freq, _ = rope_inv_freq(config)       # CPU (the model is built on the meta device)
+        self._device_inv_freq: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + x.shape[1], device=x.device)
-        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        cos, sin = rotary_cos_sin(self._inv_freq_on(x.device), positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, cache)
         if cache is not None:
             cache.length = start + x.shape[1]
         return self.norm(x)
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """The table on the inputs' device, copied once: a CUDA graph capture cannot copy from the host."""
+        if self._device_inv_freq is None or self._device_inv_freq.device != device:
+            self._device_inv_freq = self.inv_freq.to(device)
+        return self._device_inv_freq

@@ -35,6 +35,8 @@ from pellucid.models.qwen3_omni.configs import OmniConfig
 TALKER_INPUTS_KEY = "qwen3_omni_talker_inputs"
 # Request extras key without which the talker refuses a request: its inputs come from the thinker.
 STAGE_INPUT_KEY = "stage_input"
+# Request extras key of the stages that send rows on (pellucid/pipeline/stage_features.py).
+STAGE_OUTPUT_KEY = "stage_output"
 
 PROJECT_TEXT = 0        # TalkerStepInputs.projection: text_projection of a thinker input embedding
 PROJECT_HIDDEN = 1      # hidden_projection of a thinker hidden state (multimodal positions)
@@ -125,6 +127,9 @@ class Qwen3OmniTalker(nn.Module):
     # What stage_outputs() returns: one row per sampling request (its frame's codes).
     stage_output_rows = "samples"
     supports_prefix_caching = False
+    # Its stage inputs reach the decode graphs through fixed buffers (prepare_cuda_graphs), and its stage
+    # outputs are the head's sampled frames: neither needs Python inside the forward.
+    graph_extras_keys = frozenset({STAGE_INPUT_KEY, STAGE_OUTPUT_KEY})
     no_prefix_caching_reason = ("the talker's positions are embeddings of what the thinker sent, not token ids "
                                 "that a cache could match")
 
@@ -174,6 +179,34 @@ class Qwen3OmniTalker(nn.Module):
         if head_name != "dense":
             raise ValueError(f"the Qwen3-Omni talker samples with its own head; head={head_name!r} cannot serve it")
         return TalkerHead(self.talker, self.omni.talker_suppressed_ids)
+
+    # ---- decode CUDA graphs (runner/cuda_graphs.py GraphStepInputs) ----
+    def prepare_cuda_graphs(self, max_graph_size: int, max_num_tokens: int) -> None:
+        """Fixed buffers of the graphs' step inputs: a graph embeds every row both ways (any_hidden) and
+        adds the codes present (-1 elsewhere), so one graph per size serves every step."""
+        omni, weight = self.omni, self.talker.codec_head.weight
+        self._graph_inputs = TalkerStepInputs(
+            thinker_vectors=torch.zeros((max_graph_size, int(omni.talker.thinker_hidden_size)), dtype=weight.dtype,
+                                        device=weight.device),
+            projection=torch.zeros(max_graph_size, dtype=torch.int64, device=weight.device),
+            codes=torch.full((max_graph_size, omni.num_code_groups), -1, dtype=torch.int64, device=weight.device),
+            any_hidden=True, any_codes=True)
+
+    def graph_step_extras(self, size: int) -> dict[str, Any]:
+        inputs = self._graph_inputs
+        return {TALKER_INPUTS_KEY: TalkerStepInputs(inputs.thinker_vectors[:size], inputs.projection[:size],
+                                                    inputs.codes[:size], any_hidden=True, any_codes=True)}
+
+    def load_graph_step_extras(self, size: int, extras: dict[str, Any]) -> None:
+        step = extras[TALKER_INPUTS_KEY]
+        rows = step.projection.shape[0]
+        if rows > size:
+            raise RuntimeError(f"a talker step of {rows} rows does not fit a graph of {size}")
+        # Padding rows keep earlier rows' values: valid inputs whose outputs nobody reads.
+        inputs = self._graph_inputs
+        inputs.thinker_vectors[:rows].copy_(step.thinker_vectors, non_blocking=True)
+        inputs.projection[:rows].copy_(step.projection, non_blocking=True)
+        inputs.codes[:rows].copy_(step.codes, non_blocking=True)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         inputs = get_forward_context().extras.get(TALKER_INPUTS_KEY)

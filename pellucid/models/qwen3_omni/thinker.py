@@ -8,9 +8,11 @@ with the text config's rope_theta, which is what runs here. Audio, image and vid
 encoders and the 3D positions; a prompt holding their placeholder tokens is refused.
 
 For the talker the thinker hands on, per position it computes, its input embedding (transformers'
-`hidden_states[0]`) and the residual stream after `accept_hidden_layer` layers (`hidden_states[k]`):
-while a pipeline stage reads them (`set_stage_capture`), forward hooks on `thinker.model.embed_tokens`
-and the layer keep copies of the step's rows (`stage_outputs`).
+`hidden_states[0]`) and the residual stream after `accept_hidden_layer` layers (`hidden_states[k]`).
+Forward hooks on `thinker.model.embed_tokens` and that layer copy every forward's rows into buffers at
+fixed addresses (`stage_outputs` reads them), so the copies are part of the decode CUDA graphs and a
+stage's decode steps replay them (GraphStepInputs: `graph_extras_keys`). The hooks stay installed:
+graphs are captured before any stage request arrives, and two row copies a step cost next to nothing.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from torch import nn
 
 from pellucid.models.moe_models import Qwen3MoeForCausalLM
 from pellucid.models.qwen3_omni.configs import OmniConfig, check_text_prompt
+from pellucid.models.qwen3_omni.talker import STAGE_OUTPUT_KEY
 
 
 class Qwen3OmniThinker(nn.Module):
@@ -30,6 +33,8 @@ class Qwen3OmniThinker(nn.Module):
     backbone_path = "thinker.model"     # sites: thinker.model.layers.N (EngineInfo.backbone, extraction)
     # What stage_outputs() returns: one row per computed token.
     stage_output_rows = "tokens"
+    # Its stage outputs are copied inside the forward (hooks captured into the decode graphs).
+    graph_extras_keys = frozenset({STAGE_OUTPUT_KEY})
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: int | None = None) -> None:
@@ -37,8 +42,11 @@ class Qwen3OmniThinker(nn.Module):
         self.omni = OmniConfig(hf_config)
         self.engine_hf_config = self.omni.thinker_text
         self.thinker = Qwen3MoeForCausalLM(self.omni.thinker_text, dtype, device, max_model_len)
-        self._capture_hooks: list[Any] = []
-        self._captured: dict[str, torch.Tensor] = {}
+        self._capture_active = False
+        # Name -> [rows, hidden] buffer the hooks copy each forward's rows into (fixed once graphs are planned).
+        self._capture_buffers: dict[str, torch.Tensor] = {}
+        self._buffers_fixed = False
+        self._install_capture_hooks()
 
     # ---- what the engine needs of a model -----------------------------------------------------
     @property
@@ -75,29 +83,44 @@ class Qwen3OmniThinker(nn.Module):
         check_text_prompt(token_ids, self.omni)
 
     def set_stage_capture(self, active: bool) -> None:
-        """Keep copies of each forward's embeddings and accept-layer hidden states (True) or stop (False)."""
-        if not active:
-            for handle in self._capture_hooks:
-                handle.remove()
-            self._capture_hooks, self._captured = [], {}
-            return
-        if self._capture_hooks:
-            return
+        """A pipeline stage reads each step's embeddings and accept-layer hidden states (True) or stops (False)."""
+        self._capture_active = active
+
+    def _install_capture_hooks(self) -> None:
         model = self.thinker.model
         layer = self.omni.talker.accept_hidden_layer
         num_layers = len(model.layers)
         if not 0 <= layer <= num_layers:
             raise ValueError(f"talker accept_hidden_layer={layer} is outside the thinker's 0..{num_layers} layers")
-        self._capture_hooks.append(model.embed_tokens.register_forward_hook(self._keep("embed")))
+        model.embed_tokens.register_forward_hook(self._keep("embed"))
         # transformers' hidden_states[k]: the input embeddings (k = 0), layer k - 1's output, or for the last
         # layer the final norm's output.
         source = model.embed_tokens if layer == 0 else model.norm if layer == num_layers else model.layers[layer - 1]
-        self._capture_hooks.append(source.register_forward_hook(self._keep("hidden")))
+        source.register_forward_hook(self._keep("hidden"))
+
+    def prepare_cuda_graphs(self, max_graph_size: int, max_num_tokens: int) -> None:
+        """Fix the capture buffers at the largest step's size: the graphs bake their addresses."""
+        hidden = self.omni.thinker_text.hidden_size
+        weight = self.thinker.model.embed_tokens.weight
+        with torch.inference_mode(False):
+            for name in ("embed", "hidden"):
+                self._capture_buffers[name] = torch.empty((max_num_tokens, hidden), dtype=weight.dtype,
+                                                          device=weight.device)
+        self._buffers_fixed = True
 
     def _keep(self, name: str) -> Any:
         def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
             # A copy: fused kernels may update a residual buffer in place after the layer returned it.
-            self._captured[name] = output.detach().clone()
+            rows = output.shape[0]
+            buffer = self._capture_buffers.get(name)
+            if buffer is None or buffer.shape[0] < rows or buffer.dtype != output.dtype:
+                if self._buffers_fixed:
+                    raise RuntimeError(f"a thinker forward of {rows} rows exceeds the {name!r} capture buffer "
+                                       f"fixed for CUDA graphs ({None if buffer is None else buffer.shape[0]} rows)")
+                with torch.inference_mode(False):   # a normal tensor: forwards run in and outside inference mode
+                    buffer = output.new_empty((rows, *output.shape[1:]))
+                self._capture_buffers[name] = buffer
+            buffer[:rows].copy_(output.detach())
         return hook
 
     def stage_header(self) -> dict[str, torch.Tensor]:
@@ -107,7 +130,7 @@ class Qwen3OmniThinker(nn.Module):
 
     def stage_outputs(self, batch: Any, sampled: Any) -> dict[str, torch.Tensor]:
         """This step's rows for the talker: {"embed": [T, H], "hidden": [T, H]} (token rows of the batch)."""
-        if set(self._captured) != {"embed", "hidden"}:
-            raise RuntimeError("the thinker's stage capture is not active, or the forward did not run its hooks")
+        if not self._capture_active or set(self._capture_buffers) != {"embed", "hidden"}:
+            raise RuntimeError("the thinker's stage capture is not active, or no forward ran yet")
         n = batch.num_tokens
-        return {name: value[:n] for name, value in self._captured.items()}
+        return {name: value[:n] for name, value in self._capture_buffers.items()}
