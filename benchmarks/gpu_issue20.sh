@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu_issue20}
 TOTAL_S=${TOTAL_S:-570}
-SUMMARY_PATTERN='^\||^device|passed|failed|Error|PASSED|FAILED|pipeline up'
+SUMMARY_PATTERN='^\||^device|passed|failed|Error|PASSED|FAILED|pipeline up|replayed| c='
 SUMMARY_LINES=60
 sections=${*:-tests bench}
 . "$(dirname "$0")/gpu_common.sh"
