@@ -50,15 +50,31 @@ def _run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> t
     return prefill, steps[:-1] if len(steps) > 1 else steps
 
 
+def restage_for_replay(staging, size: int) -> None:
+    """Copy the host step arrays' first `size` rows into the device views that the graph of `size` reads.
+
+    The device staging region is laid out per padded size (pellucid.runner.staging): a size's views overlap
+    the arrays of every other size. A batch whose requests finish in different steps (chunked prefill gives
+    them their first tokens in different steps) ends on a smaller step, whose copy leaves the larger size's
+    views holding other arrays' bytes: slot numbers where sequence lengths belong, positions where query
+    starts belong. Replaying the larger graph on those reads block-table rows past their width and KV blocks
+    past the cache: the illegal memory access `bench latency` hit on Qwen3-30B-A3B at batch 256 (BENCHMARKS.md,
+    issue 19). The host arrays keep every row's last values (in range), so copying them again is enough."""
+    if staging.device.is_cuda:
+        torch.cuda.synchronize()    # the host region is rewritten: the last step's copy must be done
+    staging.copy(size, size)
+
+
 def _graph_forward_seconds(core, batch: int) -> float | None:
     """GPU time of one replay of the decode graph for `batch` alone (no host work), event-timed.
 
-    Run right after that batch's last step, so the buffers still describe its requests at full context
-    (their KV blocks are free by now, but nothing else runs: the replays only read and rewrite them).
+    Run right after that batch's last step, on its requests' step arrays copied again for this size (their
+    KV blocks are free by now, but nothing else runs: the replays only read and rewrite them).
     """
     graphs = core.runner.cuda_graphs
     if graphs is None or batch not in graphs.sizes:
         return None
+    restage_for_replay(core.runner.buffers.staging, batch)
     for _ in range(3):
         graphs.replay(batch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -85,8 +101,10 @@ def run_latency(args: argparse.Namespace) -> None:
     timed = []
     for batch in batches:
         prefill, steps = _run_batch(llm, batch, args.input_len, args.output_len, args.seed + batch)
-        # Not for MoE models: replaying the Qwen3-30B-A3B decode graph on the last step's stale inputs hit an
-        # illegal memory access on the H100 (never in engine steps; issue 19's notes), so it is not timed.
+        # Not for MoE models yet: replaying the Qwen3-30B-A3B decode graph after a run hit an illegal memory
+        # access on the H100 (never in engine steps; issue 19's notes). At batch 256 the replay read another
+        # size's staging layout (restage_for_replay now copies the inputs again); the fault seen once at batch
+        # 1 is not explained by that, so MoE replays stay off until benchmarks/moe_graph_diag.py passes.
         forward = None if moe else _graph_forward_seconds(core, batch)
         timed.append((batch, prefill, statistics.median(steps), forward))
     long_prefill = [_run_batch(llm, 1, args.prefill_len, 1, args.seed + 1000 + rep)[0]
