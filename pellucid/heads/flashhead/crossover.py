@@ -4,6 +4,9 @@ Stage 2 reads p * S rows of the head per row of the batch (rows rarely share clu
 grows with the batch while the dense head reads the whole matrix once: above some batch size the dense
 head is faster. Where that happens depends on V, H, C, S, p and the GPU, so it is timed, not assumed:
 greedy FlashHead against dense logits + argmax at batch 1, 2, 4, ... until the dense head wins (GPU time of CUDA-graph replays).
+
+Under tensor parallelism every rank times the same ladder at the same time (both heads hold collectives),
+and `agree` makes each rung's decision one for all ranks: the slowest rank's times, which a step waits for.
 """
 from __future__ import annotations
 
@@ -52,9 +55,12 @@ def time_us(fn: Callable[[], object], replays: int = 10, groups: int = 5) -> flo
 
 def measure_max_fast_batch(dense: Callable[[torch.Tensor], object], flash: Callable[[torch.Tensor], object],
                            hidden_size: int, dtype: torch.dtype, device: torch.device,
-                           ladder: tuple[int, ...] = LADDER) -> tuple[int, list[tuple[int, float, float]]]:
+                           ladder: tuple[int, ...] = LADDER,
+                           agree: Callable[[float, float], tuple[float, float]] | None = None,
+                           ) -> tuple[int, list[tuple[int, float, float]]]:
     """(largest ladder batch at which FlashHead is no slower than dense at it and every smaller ladder
-    batch, or 0 if it loses at batch 1; the (batch, dense us, flash us) rows timed)."""
+    batch, or 0 if it loses at batch 1; the (batch, dense us, flash us) rows timed). `agree(dense us,
+    flash us)`: the times every rank decides on (tensor parallelism), so that all stop at the same rung."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     max_fast, table = 0, []
     with torch.inference_mode():
@@ -62,6 +68,8 @@ def measure_max_fast_batch(dense: Callable[[torch.Tensor], object], flash: Calla
             hidden = torch.randn(batch, hidden_size, generator=generator).to(device, dtype)
             dense_us = time_us(lambda: dense(hidden))
             flash_us = time_us(lambda: flash(hidden))
+            if agree is not None:
+                dense_us, flash_us = agree(dense_us, flash_us)
             table.append((batch, dense_us, flash_us))
             if flash_us > dense_us:
                 break

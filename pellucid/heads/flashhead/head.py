@@ -122,13 +122,9 @@ class FlashHead(LMHead):
         if not self.weight.is_cuda:
             logger.info("flashhead: fast path at every batch size (no crossover is measured off-GPU)")
             return None
-        if self.tp is not None:
-            # The ranks would time different crossovers and stop their ladders (and collectives) apart.
-            logger.info("flashhead: fast path at every batch size (no crossover is measured under tensor "
-                        "parallelism; set max_fast_batch to choose one)")
-            return None
         limit, table = measure_max_fast_batch(lambda h: self.compute_logits(h).argmax(dim=1), self.greedy,
-                                              self.weight.shape[1], self.weight.dtype, self.weight.device)
+                                              self.weight.shape[1], self.weight.dtype, self.weight.device,
+                                              agree=None if self.tp is None else self._slowest_rank)
         timings = ", ".join(f"b{b}: dense {d:.0f} us / flash {f:.0f} us" for b, d, f in table)
         if limit == 0:
             logger.warning("flashhead: slower than the dense head even at batch 1 on this GPU (%s); every row "
@@ -137,6 +133,13 @@ class FlashHead(LMHead):
             logger.info("flashhead: fast path for batches of up to %d rows, dense above (measured greedy head "
                         "latency: %s)", limit, timings)
         return limit
+
+    def _slowest_rank(self, dense_us: float, flash_us: float) -> tuple[float, float]:
+        """The crossover's times under tensor parallelism: every rank's ladder must stop at the same rung
+        (both heads hold collectives), and a step waits for the slowest rank."""
+        assert self.tp is not None
+        times = self.tp.all_gather_object((dense_us, flash_us))
+        return max(d for d, _ in times), max(f for _, f in times)
 
     # ------------------------------------------------------------------------------------ retrieval
 
