@@ -80,6 +80,9 @@ class RunnerConfig:
     engine_process: bool | None = None
 
 
+ALL_REDUCES = ("nccl", "symm_mem")     # ParallelConfig.all_reduce
+
+
 @dataclass
 class ParallelConfig:
     # Shard the model over this many ranks (one GPU each; processes on the CPU), Megatron-style.
@@ -89,6 +92,10 @@ class ParallelConfig:
     # torch.distributed's env:// variables: torchrun, across machines too). None: "env" when WORLD_SIZE is
     # set in the environment, else "mp".
     distributed_executor_backend: str | None = None
+    # The all-reduce after each row-parallel layer: "nccl" (the process group's own: NCCL on CUDA, gloo on
+    # the CPU) or "symm_mem" (torch's symmetric-memory one-shot kernel for small messages, NCCL for the
+    # others; NCCL throughout, with the reason logged, where it cannot run). See docs/tensor_parallel.md.
+    all_reduce: str = "nccl"
 
     def validate(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -96,6 +103,8 @@ class ParallelConfig:
         if self.distributed_executor_backend not in (None, "mp", "ray", "env"):
             raise ValueError(f"distributed_executor_backend must be 'mp', 'ray' or 'env', got "
                              f"{self.distributed_executor_backend!r}")
+        if self.all_reduce not in ALL_REDUCES:
+            raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
 
 
 @dataclass

@@ -146,7 +146,7 @@ class WorkerGroup:
             elif self.backend == "ray":
                 self._start_ray_workers(config, device)
             else:
-                self._join_launched_ranks(device)
+                self._join_launched_ranks(config, device)
         except BaseException:
             self.shutdown(timeout=5.0)
             raise
@@ -201,7 +201,8 @@ class WorkerGroup:
         self._wait_started()
         if device.type == "cpu":
             torch.set_num_threads(threads)
-        self.tp = init_tensor_parallel(0, self.size, self.device, init_method, timeout_s=STARTUP_TIMEOUT_S)
+        self.tp = init_tensor_parallel(0, self.size, self.device, init_method, timeout_s=STARTUP_TIMEOUT_S,
+                                       all_reduce=config.parallel.all_reduce)
 
     def _wait_started(self) -> None:
         """Until every worker reports it is up (before the rendezvous, in which rank 0 could not see a worker
@@ -224,7 +225,7 @@ class WorkerGroup:
                 raise TensorParallelStartupError(f"tensor-parallel ranks {sorted(waiting)} did not start within "
                                                  f"{STARTUP_TIMEOUT_S:.0f} s")
 
-    def _join_launched_ranks(self, device: torch.device) -> None:
+    def _join_launched_ranks(self, config: EngineConfig, device: torch.device) -> None:
         """torchrun started every rank: join as rank 0 (env://), then tell the others where the channels are."""
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
         if world != self.size:
@@ -232,7 +233,8 @@ class WorkerGroup:
         if rank != 0:
             raise RuntimeError(f"this process is rank {rank}: only rank 0 runs the engine core")
         self.device = rank_device(device, int(os.environ.get("LOCAL_RANK", "0")), self.size)
-        self.tp = init_tensor_parallel(0, self.size, self.device, "env://", timeout_s=STARTUP_TIMEOUT_S)
+        self.tp = init_tensor_parallel(0, self.size, self.device, "env://", timeout_s=STARTUP_TIMEOUT_S,
+                                       all_reduce=config.parallel.all_reduce)
         host = os.environ.get("PELLUCID_TP_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         addresses = {"reply": _bind_tcp(self._replies, host), "steps": {}}
         for rank in range(1, self.size):

@@ -4,7 +4,8 @@ One engine is one tensor-parallel group: rank 0 lives in the engine-core process
 processes (worker.py). Each process holds at most one group, so the group is process state, set once by
 `init_tensor_parallel` (torch.distributed's own default group is process state too). Collectives run on
 the device group (NCCL on CUDA, gloo on the CPU); start-up exchanges of Python values run on a gloo group
-beside it, so they work whatever the device.
+beside it, so they work whatever the device. With `all_reduce="symm_mem"` the small all-reduces take
+torch's symmetric-memory one-shot kernel instead of NCCL (symm_mem_all_reduce.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
+from pellucid.config import ALL_REDUCES
+from pellucid.distributed.symm_mem_all_reduce import SymmMemAllReduce, symm_mem_all_reduce
 from pellucid.logger import get_logger
 
 logger = get_logger(__name__)
@@ -92,6 +95,7 @@ class TensorParallel:
         self.device = device
         self.group = group            # the device group (NCCL on CUDA, gloo on the CPU)
         self.cpu_group = cpu_group    # gloo: Python values at start-up
+        self.small_all_reduce: SymmMemAllReduce | None = None    # set by init_tensor_parallel (symm_mem)
 
     @property
     def is_driver(self) -> bool:
@@ -100,7 +104,11 @@ class TensorParallel:
 
     # ---- collectives on device tensors (the step's; graph-capturable on NCCL) -------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks, in place; returns x."""
+        """The sum over the ranks: x summed in place (NCCL, gloo), or a new tensor (the symmetric-memory
+        all-reduce, for the small messages it accepts). Use the returned tensor."""
+        small = self.small_all_reduce
+        if small is not None and small.accepts(x):
+            return small(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -191,8 +199,12 @@ def tensor_parallel_rank_and_size() -> tuple[int, int]:
 
 
 def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str,
-                         timeout_s: float = 600.0) -> TensorParallel:
-    """Join the group (torch.distributed's default group: NCCL on CUDA, gloo on the CPU) as `rank`."""
+                         timeout_s: float = 600.0, all_reduce: str = "nccl") -> TensorParallel:
+    """Join the group (torch.distributed's default group: NCCL on CUDA, gloo on the CPU) as `rank`.
+    `all_reduce`: "nccl" (the group's own, gloo on the CPU) or "symm_mem" (symmetric memory for small
+    messages where it can run, else the group's own, with the reason logged)."""
+    if all_reduce not in ALL_REDUCES:
+        raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {all_reduce!r}")
     global _TP
     if _TP is not None:
         raise RuntimeError("this process is already a tensor-parallel rank; one engine per process")
@@ -208,5 +220,8 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
     _TP = TensorParallel(rank, size, device, dist.group.WORLD, cpu_group)
     # A first collective on the device group before any CUDA graph capture (NCCL sets up lazily otherwise).
     _TP.all_reduce(torch.zeros(1, device=device))
-    logger.info("tensor-parallel rank %d of %d on %s (%s, pid %d)", rank, size, device, backend, os.getpid())
+    if all_reduce == "symm_mem":
+        _TP.small_all_reduce = symm_mem_all_reduce(_TP)
+    logger.info("tensor-parallel rank %d of %d on %s (%s, all-reduce %s, pid %d)", rank, size, device, backend,
+                "symm_mem + nccl" if _TP.small_all_reduce is not None else backend, os.getpid())
     return _TP

@@ -50,7 +50,9 @@ class Worker:
     def run(self, device: torch.device, init_method: str, steps: zmq.Socket | None,
             context: zmq.Context) -> None:
         """Join the group, set up this rank, then run steps until rank 0 says stop."""
-        tp = init_tensor_parallel(self.rank, self.config.parallel.tensor_parallel_size, device, init_method)
+        parallel = self.config.parallel
+        tp = init_tensor_parallel(self.rank, parallel.tensor_parallel_size, device, init_method,
+                                  all_reduce=parallel.all_reduce)
         if steps is None:       # launched by torchrun: rank 0 tells where its step channel is
             holder: list[Any] = [None]
             dist.broadcast_object_list(holder, src=0, group=tp.cpu_group)

@@ -5,6 +5,8 @@ import argparse
 import json
 from typing import Any
 
+from pellucid.config import ALL_REDUCES
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -35,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="mp: worker processes on this machine; ray: a Ray actor per rank on the nodes of the "
                         "Ray cluster (RAY_ADDRESS, else a local one); env: ranks started by torchrun (env:// "
                         "rendezvous, any number of machines). Default: env under torchrun, else mp")
+    g.add_argument("--all-reduce", choices=ALL_REDUCES, default="nccl",
+                   help="the all-reduce of tensor-parallel layers: nccl (gloo on the CPU), or symm_mem: torch's "
+                        "symmetric-memory one-shot kernel for small messages (decode), NCCL for the others, "
+                        "NCCL throughout (logged) where it cannot run (default: nccl)")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
     g.add_argument("--head", default="dense", help="LM head: dense, flashhead, or a plugin name")
@@ -53,4 +59,4 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 async_scheduling=args.async_scheduling, engine_process=args.engine_process,
                 attention_backend=args.attention_backend, seed=args.seed,
                 head=args.head, head_options=args.head_options, tensor_parallel_size=args.tensor_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend)
+                distributed_executor_backend=args.distributed_executor_backend, all_reduce=args.all_reduce)
