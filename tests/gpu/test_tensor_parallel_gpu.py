@@ -1,6 +1,8 @@
 """Tensor parallelism on GPUs (NCCL): TP=2 with CUDA graphs (the collectives captured in them), async
 scheduling and the fused kernels gives what TP=1 gives in float32, traced and untraced, with the dense head
-and a sharded FlashHead; asking for more ranks than GPUs is a clear start-up error. Skipped without 2 GPUs."""
+(NCCL and the symmetric-memory all-reduce) and a sharded FlashHead; FlashHead measures its batch-size
+crossover under TP=2 with every rank in step; asking for more ranks than GPUs is a clear start-up error.
+Skipped without 2 GPUs."""
 from __future__ import annotations
 
 import os
@@ -12,6 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
                                 reason="needs 2 CUDA devices")
 
 KWARGS = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=512)
+SYMM_MEM_ACTIVE = "tensor-parallel all-reduce: symm_mem one-shot"
 
 
 def _prompts(seed: int, count: int) -> list[list[int]]:
@@ -19,19 +22,18 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
     return [torch.randint(5, 500, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (count,), generator=g)]
 
 
-@pytest.mark.parametrize("head", ["dense", "flashhead"])
-def test_tp2_on_gpus_equals_tp1(tiny_model_factory, head):
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> str:
     from pellucid.cli import main as cli_main
-    from pellucid.llm import LLM
+    path = tiny_model_factory("qwen3", seed=4, num_hidden_layers=3)
+    if not os.path.exists(os.path.join(path, "flashhead")):
+        assert cli_main(["flashhead", "build", path, "--iterations", "3", "--device", "cpu"]) == 0
+    return path
+
+
+def _workload():
     from pellucid.sampling_params import SamplingParams
     from pellucid.tracing import Add, Save, TracePlan
-
-    model_dir = tiny_model_factory("qwen3", seed=4, num_hidden_layers=3)
-    head_kwargs = {}
-    if head == "flashhead":
-        if not os.path.exists(os.path.join(model_dir, "flashhead")):
-            assert cli_main(["flashhead", "build", model_dir, "--iterations", "3", "--device", "cpu"]) == 0
-        head_kwargs = dict(head="flashhead", head_options={"probes": 4})
     prompts = _prompts(3, 10)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=16 + i, ignore_eos=True)
               for i in range(len(prompts))]
@@ -39,21 +41,60 @@ def test_tp2_on_gpus_equals_tp1(tiny_model_factory, head):
     taps = TracePlan([Save(site="model.layers.1.self_attn.q_proj", name="q"), Save(site="model.layers.2", name="h"),
                       Add(site="model.layers.0.mlp.act_fn", value=torch.full((128,), 0.05))])
     extras = [{"trace": taps} if i % 4 == 0 else None for i in range(len(prompts))]
-    results = []
-    for tp in (1, 2):
-        llm = LLM(model_dir, tensor_parallel_size=tp, engine_process=True, **KWARGS, **head_kwargs)
-        try:
-            assert llm.info.cuda_graphs
-            results.append(llm.generate(prompts, params, use_tqdm=False, extras=extras))
-        finally:
-            llm.shutdown()
-    tp1, tp2 = results
+    return prompts, params, extras
+
+
+def _generate(model_dir: str, tp: int, **engine):
+    """(engine info, outputs) of the workload on a fresh engine."""
+    from pellucid.llm import LLM
+    prompts, params, extras = _workload()
+    llm = LLM(model_dir, tensor_parallel_size=tp, engine_process=True, **KWARGS, **engine)
+    try:
+        assert llm.info.cuda_graphs
+        return llm.info, llm.generate(prompts, params, use_tqdm=False, extras=extras)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs(model_dir):
+    """TP=1's outputs per head configuration, generated once."""
+    cache: dict[str, list] = {}
+
+    def get(name: str, **engine) -> list:
+        if name not in cache:
+            cache[name] = _generate(model_dir, 1, **engine)[1]
+        return cache[name]
+    return get
+
+
+# FlashHead's routing pinned (fast path at every batch size): left at "auto", TP=1 and TP=2 each measure a
+# crossover of their own and may route rows differently (docs/flashhead.md), which would compare two paths.
+HEADS = {"dense": {}, "flashhead": dict(head="flashhead", head_options={"probes": 4, "max_fast_batch": None})}
+
+
+@pytest.mark.parametrize("head, all_reduce", [("dense", "symm_mem"), ("flashhead", "nccl"), ("dense", "nccl")])
+def test_tp2_on_gpus_equals_tp1(model_dir, tp1_outputs, capfd, head, all_reduce):
+    tp1 = tp1_outputs(head, **HEADS[head])
+    info, tp2 = _generate(model_dir, 2, all_reduce=all_reduce, **HEADS[head])
+    if head == "flashhead":
+        assert info.lm_head["max_fast_batch"] == "all"      # the sharded fast path is what is compared
+    # The symmetric-memory all-reduce ran (it falls back to NCCL, logged, where it cannot).
+    assert (SYMM_MEM_ACTIVE in capfd.readouterr().err) == (all_reduce == "symm_mem")
     assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
     for a, b in zip(tp1, tp2):
         if a.extras:
             for name in ("q", "h"):
                 torch.testing.assert_close(b.extras["saves"][name].cpu(), a.extras["saves"][name].cpu(),
                                            rtol=1e-4, atol=1e-4)
+
+
+def test_flashhead_measures_its_crossover_under_tp2(model_dir):
+    """max_fast_batch "auto" at TP=2: every rank times the same ladder in step and agrees on one crossover
+    (ranks that stopped apart would leave collectives unmatched: the start-up or the steps would hang)."""
+    info, outputs = _generate(model_dir, 2, head="flashhead", head_options={"probes": 4})
+    assert isinstance(info.lm_head["max_fast_batch"], int)
+    assert all(len(o.outputs[0].token_ids) == 16 + i for i, o in enumerate(outputs))
 
 
 def test_more_ranks_than_gpus_is_a_startup_error(tiny_model_factory):
