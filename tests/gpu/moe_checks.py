@@ -196,34 +196,34 @@ CPU_PARTS = ("routing", "experts", "rows")          # "block" needs CUDA (the mo
 GPU_PARTS = ("routing", "experts", "rows", "block")
 
 
+# (CPU cases, GPU cases) per part: the interpreter runs small shapes. Routing: (tokens, experts, top_k); experts
+# and rows: (tokens, experts, top_k, hidden, intermediate).
+CASES = {
+    "routing": ([(1, 8, 2), (5, 6, 3), (9, 16, 1)],
+                [(1, 128, 8), (7, 60, 4), (64, 128, 8), (65, 128, 8), (300, 128, 8), (1000, 8, 2), (4096, 64, 6)]),
+    "experts": ([(1, 8, 2, 64, 32), (6, 4, 2, 80, 48), (70, 8, 2, 64, 32)],
+                [(1, 128, 8, 2048, 768), (3, 60, 4, 256, 200), (64, 128, 8, 512, 256), (256, 128, 8, 512, 256),
+                 (1000, 16, 2, 256, 384), (512, 128, 8, 2048, 768)]),
+    "rows": ([(1, 8, 2, 64, 32), (3, 6, 3, 80, 48), (2, 16, 4, 64, 40)],
+             [(1, 128, 8, 2048, 768), (4, 128, 8, 2048, 768), (8, 128, 8, 512, 256), (3, 60, 4, 256, 200),
+              (2, 8, 2, 256, 384), (1, 256, 8, 512, 128)]),
+}
+
+
 def run_part(device: str, part: str) -> None:
     on_cpu = device == "cpu"
-    if part == "routing":
-        cases = [(1, 8, 2), (5, 6, 3), (9, 16, 1)] if on_cpu else \
-            [(1, 128, 8), (7, 60, 4), (64, 128, 8), (65, 128, 8), (300, 128, 8), (1000, 8, 2), (4096, 64, 6)]
-        for seed in range(2):
-            check_routing(device, seed, cases)
-    elif part == "experts":
-        cases = [(1, 8, 2, 64, 32), (6, 4, 2, 80, 48), (70, 8, 2, 64, 32)] if on_cpu else \
-            [(1, 128, 8, 2048, 768), (3, 60, 4, 256, 200), (64, 128, 8, 512, 256), (256, 128, 8, 512, 256),
-             (1000, 16, 2, 256, 384), (512, 128, 8, 2048, 768)]
-        # The interpreter truncates to 16 bits instead of rounding: float16's finer mantissa keeps that small.
-        dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
-        for seed in range(2):
-            check_experts(device, seed, cases, dtypes)
-    elif part == "rows":
-        cases = [(1, 8, 2, 64, 32), (3, 6, 3, 80, 48), (2, 16, 4, 64, 40)] if on_cpu else \
-            [(1, 128, 8, 2048, 768), (4, 128, 8, 2048, 768), (8, 128, 8, 512, 256), (3, 60, 4, 256, 200),
-             (2, 8, 2, 256, 384), (1, 256, 8, 512, 128)]
-        dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
-        for seed in range(2):
-            check_rows(device, seed, cases, dtypes)
-    elif part == "block":
-        for seed in range(2):
+    # The interpreter truncates to 16 bits instead of rounding: float16's finer mantissa keeps that small.
+    dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
+    for seed in range(2):
+        if part == "block":
             check_block(device, seed)
-    else:
-        raise ValueError(part)
-
+        elif part == "routing":
+            check_routing(device, seed, CASES[part][not on_cpu])
+        elif part in ("experts", "rows"):
+            check = check_experts if part == "experts" else check_rows
+            check(device, seed, CASES[part][not on_cpu], dtypes)
+        else:
+            raise ValueError(part)
 
 if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
