@@ -34,6 +34,10 @@ def main() -> None:
     parser.add_argument("--eager-first", action="store_true",
                         help="before the graph replays, one eager forward on the same stale inputs (with "
                              "CUDA_LAUNCH_BLOCKING=1 a fault then names its operation)")
+    parser.add_argument("--restage", action="store_true",
+                        help="copy the replayed size's step inputs again first (pellucid.bench.latency."
+                             "restage_for_replay): without it, a run whose last step was smaller leaves that "
+                             "size's staging views holding another layout's bytes")
     args = parser.parse_args()
     out = tempfile.mkdtemp()
     config = dict(NAMED_CONFIGS["Qwen3-30B-A3B"], num_hidden_layers=args.layers, torch_dtype="bfloat16",
@@ -61,6 +65,10 @@ def main() -> None:
           "slots", bufs.slot_mapping.np[:size].min(), bufs.slot_mapping.np[:size].max(),
           "input ids", bufs.input_ids.np[:size].min(), bufs.input_ids.np[:size].max())
     graphs = core.runner.cuda_graphs
+    if args.restage:
+        from pellucid.bench.latency import restage_for_replay
+        restage_for_replay(bufs.staging, size)
+        print("restaged the step inputs of size", size)
     if args.eager_first:
         from pellucid.attention.metadata import forward_context
         captured = graphs._graphs[size]
