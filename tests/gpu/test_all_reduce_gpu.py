@@ -16,10 +16,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "distributed", "all_reduce_ranks.py")
 
 
-@pytest.mark.parametrize("all_reduce", ["symm_mem", "nccl"])
-def test_all_reduce_equals_nccl_on_two_gpus(all_reduce):
-    run = subprocess.run([sys.executable, SCRIPT, "--device", "cuda", "--all-reduce", all_reduce],
+def test_symm_mem_all_reduce_equals_nccl_on_two_gpus():
+    run = subprocess.run([sys.executable, SCRIPT, "--device", "cuda", "--all-reduce", "symm_mem"],
                          capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"all-reduce in use: {all_reduce}" in run.stdout, run.stdout + run.stderr
+    assert "all-reduce in use: symm_mem" in run.stdout, run.stdout + run.stderr
     assert "rank 0: " in run.stdout and "rank 1: " in run.stdout

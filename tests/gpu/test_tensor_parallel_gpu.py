@@ -1,6 +1,6 @@
 """Tensor parallelism on GPUs (NCCL): TP=2 with CUDA graphs (the collectives captured in them), async
 scheduling and the fused kernels gives what TP=1 gives in float32, traced and untraced, with the dense head
-(NCCL and the symmetric-memory all-reduce) and a sharded FlashHead; FlashHead measures its batch-size
+(with the symmetric-memory all-reduce) and a sharded FlashHead; FlashHead measures its batch-size
 crossover under TP=2 with every rank in step; asking for more ranks than GPUs is a clear start-up error.
 Skipped without 2 GPUs."""
 from __future__ import annotations
@@ -73,7 +73,9 @@ def tp1_outputs(model_dir):
 HEADS = {"dense": {}, "flashhead": dict(head="flashhead", head_options={"probes": 4, "max_fast_batch": None})}
 
 
-@pytest.mark.parametrize("head, all_reduce", [("dense", "symm_mem"), ("flashhead", "nccl"), ("dense", "nccl")])
+# Dense with the symmetric-memory all-reduce, FlashHead with NCCL (the dense head's NCCL run passed on the
+# 2 H100s before symm_mem existed; left out to keep the GPU script's call short).
+@pytest.mark.parametrize("head, all_reduce", [("dense", "symm_mem"), ("flashhead", "nccl")])
 def test_tp2_on_gpus_equals_tp1(model_dir, tp1_outputs, capfd, head, all_reduce):
     tp1 = tp1_outputs(head, **HEADS[head])
     info, tp2 = _generate(model_dir, 2, all_reduce=all_reduce, **HEADS[head])
