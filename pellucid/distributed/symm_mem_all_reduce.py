@@ -11,7 +11,7 @@ like any kernel.
 What it needs, checked at start-up; where one check fails every rank keeps NCCL and rank 0 logs why (the
 ranks agree on the outcome: they must run the same collectives):
 - CUDA ranks on one machine whose GPUs reach each other peer-to-peer;
-- a torch with `torch.ops.symm_mem.one_shot_all_reduce_copy_out` (torch >= 2.9; 2.11 was the one measured);
+- a torch with `torch.ops.symm_mem.one_shot_all_reduce_copy_out` (torch >= 2.8; the H100 machines have 2.11);
 - the buffer allocated and rendezvoused now, outside any graph capture: the rendezvous exchanges handles
   through the store, and every later use finds it cached, which is what makes the op capturable;
 - a first all-reduce, run eagerly, equal to NCCL's.
