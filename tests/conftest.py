@@ -35,6 +35,21 @@ def tiny_model_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def flashhead_model_factory(tiny_model_factory):
+    """`factory(arch, **overrides) -> model dir` of a tiny model with its FlashHead asset built (3 k-means
+    iterations on the CPU)."""
+    from pellucid.cli import main as cli_main
+
+    def factory(arch: str, **overrides) -> str:
+        model_dir = tiny_model_factory(arch, **overrides)
+        if not os.path.exists(os.path.join(model_dir, "flashhead")):
+            assert cli_main(["flashhead", "build", model_dir, "--iterations", "3", "--device", "cpu"]) == 0
+        return model_dir
+
+    return factory
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(tiny_model_factory) -> str:
     return tiny_model_factory("qwen3")
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pellucid import LLM, SamplingParams
-from pellucid.cli import main as cli_main
 from pellucid.engine.async_llm import AsyncLLM
 from pellucid.extraction import HiddenStatesDataset, extract_hidden_states_async
 from tests.reference import hf_forward, random_prompts, relative_error
@@ -24,11 +23,8 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_factory) -> str:
-    model = tiny_model_factory("qwen3", seed=29, num_hidden_layers=2)
-    if not os.path.exists(os.path.join(model, "flashhead")):
-        assert cli_main(["flashhead", "build", model, "--iterations", "3", "--device", "cpu"]) == 0
-    return model
+def model_dir(flashhead_model_factory) -> str:
+    return flashhead_model_factory("qwen3", seed=29, num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ crossover under TP=2 with every rank in step; asking for more ranks than GPUs is
 Skipped without 2 GPUs."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -23,12 +21,8 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_factory) -> str:
-    from pellucid.cli import main as cli_main
-    path = tiny_model_factory("qwen3", seed=4, num_hidden_layers=3)
-    if not os.path.exists(os.path.join(path, "flashhead")):
-        assert cli_main(["flashhead", "build", path, "--iterations", "3", "--device", "cpu"]) == 0
-    return path
+def model_dir(flashhead_model_factory) -> str:
+    return flashhead_model_factory("qwen3", seed=4, num_hidden_layers=3)
 
 
 def _workload():
