@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 19 (mixture-of-experts models) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue19.sh [SECTION ...]
-#   sections: diag diag30b checks tests kernels sweep latency throughput
+#   sections: diag diag30b checks tests kernels kernels_decode sweep latency throughput
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 # Sections stop starting after TOTAL_S seconds (default 570) so one device call holds the script.
 set -u
@@ -20,10 +20,11 @@ for s in $sections; do
           PELLUCID_PDL=0 run diag_traced_nopdl 90 python3 benchmarks/moe_graph_diag.py --traced-first ;;
     diag30b) CUDA_LAUNCH_BLOCKING=1 run diag30b_eager 120 python3 benchmarks/moe_graph_diag.py --layers 48 --batch 1 \
                --max-model-len 8209 --output-len 64 --eager-first ;;
-    checks) run moe_checks 120 python3 tests/gpu/moe_checks.py cuda routing experts block ;;
+    checks) run moe_checks 120 python3 tests/gpu/moe_checks.py cuda routing experts rows block ;;
     tests) run moe_tests 200 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_moe_gpu.py \
              tests/gpu/test_no_sync.py tests/gpu/test_async_scheduling.py ;;
     kernels) run moe_kernels 150 python3 benchmarks/moe_kernel_bench.py ;;
+    kernels_decode) run moe_kernels_decode 120 python3 benchmarks/moe_kernel_bench.py --tokens 1,2,4,8 ;;
     sweep) run moe_sweep 240 python3 benchmarks/moe_kernel_bench.py --sweep ;;
     latency) run latency_30b 240 python3 -m pellucid.bench latency --model Qwen3-30B-A3B --model-cache "$CACHE" \
                --batch-sizes 1,64,256 --input-len 128 --output-len 64 --prefill-len 8192 ;;
