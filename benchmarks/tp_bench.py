@@ -201,8 +201,9 @@ def _allreduce_rank(rank: int, size: int, init: str, sizes: list[int], layers: i
     _log(rank, f"joining the group on {device}")
     # The engine's own set-up: NCCL bound to this rank's GPU (device_id), its communicator made now.
     tp = init_tensor_parallel(rank, size, device, init, timeout_s=60)
+    _log(rank, "joined; setting up the symmetric-memory all-reduce")
     symm = symm_mem_all_reduce(tp, max_bytes=max(sizes))
-    _log(rank, f"joined; symm_mem {'ready' if symm is not None else 'unavailable (see the log)'}")
+    _log(rank, f"symm_mem {'ready' if symm is not None else 'unavailable (see the log)'}")
 
     def nccl(x: torch.Tensor) -> None:
         dist.all_reduce(x, group=tp.group)
