@@ -132,22 +132,11 @@ class FusedExperts(nn.Module):
             out = self._forward_masked(hidden_states, ids, weights)
         else:
             out = self._forward_loop(hidden_states, ids, weights)
-        return self._sum_over_ranks(out)
-
-    def forward_routed(self, hidden_states: torch.Tensor, logits: torch.Tensor, spec: MoeSpec) -> torch.Tensor:
-        """forward(hidden, *route(logits)) with the routing inside the fused kernels (CUDA only): it skips
-        this module's and `mlp.routing`'s calls, so the block uses it only while neither is observed."""
-        from pellucid.kernels.fused_moe import routed_experts
-        out = routed_experts(hidden_states, logits, self.gate_up_proj, self.down_proj, spec)
-        return self._sum_over_ranks(out)
-
-    def _sum_over_ranks(self, out: torch.Tensor) -> torch.Tensor:
-        """Under tensor parallelism each rank's output is its columns' partial sum: all-reduce it."""
-        if self.shard is None:
-            return out
-        tp = get_tensor_parallel()
-        assert tp is not None
-        return tp.all_reduce(out)
+        if self.shard is not None:
+            tp = get_tensor_parallel()
+            assert tp is not None
+            out = tp.all_reduce(out)
+        return out
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -198,12 +187,10 @@ class SparseMoeBlock(nn.Module):
             # The experts run for the largest weights of the (possibly edited) routing decision: the chosen
             # experts, or those of them an edit kept (the others weigh 0 and add nothing).
             weights, ids = self.routing(logits).topk(self.spec.top_k, dim=-1)
-            out = self.experts(hidden_states, ids, weights)
-        elif fused_kernels_enabled(logits, "moe") and not is_observed(self.experts):
-            out = self.experts.forward_routed(hidden_states, logits, self.spec)
+            layout = None
         else:
             ids, weights, layout = self.routing.route(logits)
-            out = self.experts(hidden_states, ids, weights, layout)
+        out = self.experts(hidden_states, ids, weights, layout)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(hidden_states)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared

@@ -32,8 +32,14 @@ def check_routing(device: str, seed: int, cases: list[tuple[int, int, int]]) -> 
             spec = _spec(num_experts, top_k, renormalize, True)
             logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(dtype).to(device)
             ids, weights, layout = route_and_align(logits, spec)
+            expected = torch.sort(logits.cpu().float(), dim=1, descending=True, stable=True).indices[:, :top_k]
             what = f"routing T={num_tokens} E={num_experts} k={top_k} renorm={renormalize} {dtype}"
-            check_routing_result(ids, weights, logits, top_k, renormalize, what)
+            assert torch.equal(ids.cpu().long(), expected), what
+            probs = torch.softmax(logits.cpu().float(), dim=-1).gather(1, expected)
+            if renormalize:
+                probs = probs / probs.sum(dim=-1, keepdim=True)
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            assert weights.dtype == dtype and (weights.cpu().float() - probs.to(dtype).float()).abs().max() <= tol, what
             check_layout(layout, ids.cpu().long(), num_experts, what)
             # Ties everywhere: logits on a coarse grid.
             tied = (torch.randint(0, 4, (num_tokens, num_experts), generator=g).float() / 4).to(device)
@@ -41,19 +47,6 @@ def check_routing(device: str, seed: int, cases: list[tuple[int, int, int]]) -> 
             expected = torch.sort(tied.cpu(), dim=1, descending=True, stable=True).indices[:, :top_k]
             assert torch.equal(ids.cpu().long(), expected), f"ties: {what}"
             check_layout(layout, ids.cpu().long(), num_experts, f"ties: {what}")
-
-
-def check_routing_result(ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor, top_k: int,
-                         renormalize: bool, what: str) -> None:
-    """ids equal a stable descending sort of the logits; weights (in the logits' dtype) the torch arithmetic."""
-    expected = torch.sort(logits.cpu().float(), dim=1, descending=True, stable=True).indices[:, :top_k]
-    assert torch.equal(ids.cpu().long(), expected), what
-    probs = torch.softmax(logits.cpu().float(), dim=-1).gather(1, expected)
-    if renormalize:
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    tol = 1e-6 if logits.dtype == torch.float32 else 1e-2
-    assert weights.dtype == logits.dtype, what
-    assert (weights.cpu().float() - probs.to(logits.dtype).float()).abs().max() <= tol, what
 
 
 def check_layout(layout, ids: torch.Tensor, num_experts: int, what: str) -> None:
@@ -128,45 +121,6 @@ def check_experts(device: str, seed: int, cases: list[tuple[int, int, int, int, 
                              f"{what} {tiles}")
 
 
-def check_rows(device: str, seed: int, cases: list[tuple[int, int, int, int, int]], dtypes) -> None:
-    """The few-token row path (pellucid.kernels.moe_rows): routing inside the gate/up kernel equals the
-    routing kernel's choices and the torch arithmetic, ties included; its output and the output for given
-    (int64) ids equal the torch expert loop; garbage logits (NaN, infinities) still choose experts in range."""
-    from pellucid.kernels import fused_moe
-    from pellucid.kernels.moe_rows import down_sum_rows, route_gate_up_rows
-    g = torch.Generator().manual_seed(seed)
-    for num_tokens, num_experts, top_k, hidden, inter in cases:
-        for dtype in dtypes:
-            experts = _experts(num_experts, hidden, inter, dtype, device, g)
-            renormalize = seed % 2 == 0
-            spec = _spec(num_experts, top_k, renormalize, True)
-            gate_up_tile, down_tile = fused_moe.row_tiles(dtype)
-            x = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(device)
-            what = f"rows T={num_tokens} E={num_experts} k={top_k} H={hidden} I={inter} {dtype}"
-            logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(dtype).to(device)
-            tied = (torch.randint(0, 4, (num_tokens, num_experts), generator=g).float() / 4).to(dtype).to(device)
-            for kind, router in (("random", logits), ("tied", tied)):
-                ids, weights, h = route_gate_up_rows(x, router, experts.gate_up_proj, top_k, renormalize, dtype,
-                                                     gate_up_tile)
-                check_routing_result(ids, weights, router, top_k, renormalize, f"{what} {kind} routing")
-                out = down_sum_rows(h, experts.down_proj, ids, weights, down_tile)
-                cpu = experts.to("cpu")
-                ref = _reference(cpu, x.cpu(), ids.cpu().long(), weights.cpu())
-                experts = cpu.to(device)
-                assert_close(out.cpu(), ref, dtype, f"{what} {kind}")
-                weight_args = (experts.gate_up_proj, experts.down_proj)
-                assert_close(fused_moe.routed_experts(x, router, *weight_args, spec, path="rows").cpu(), ref, dtype,
-                             f"{what} {kind} (routed_experts)")
-                assert_close(fused_moe.fused_experts(x, *weight_args, ids.long(), weights, path="rows").cpu(), ref,
-                             dtype, f"{what} {kind} (given int64 ids)")
-            garbage = logits.clone()
-            garbage[0] = float("nan")
-            garbage[-1, : num_experts // 2] = float("inf")
-            garbage[-1, num_experts // 2:] = float("-inf")
-            ids, _, _ = route_gate_up_rows(x, garbage, experts.gate_up_proj, top_k, renormalize, dtype, gate_up_tile)
-            assert ((ids >= 0) & (ids < num_experts)).all(), f"{what}: garbage logits chose experts {ids.tolist()}"
-
-
 def check_block(device: str, seed: int) -> None:
     """The whole SparseMoeBlock (router GEMM, fused routing and experts, Qwen2's shared expert) against
     its torch path, traced (routing observed) and not."""
@@ -192,38 +146,31 @@ def check_block(device: str, seed: int) -> None:
             assert_close(traced.cpu(), ref, torch.float32, f"SparseMoeBlock shared={shared} routing observed")
 
 
-CPU_PARTS = ("routing", "experts", "rows")          # "block" needs CUDA (the model only dispatches there)
-GPU_PARTS = ("routing", "experts", "rows", "block")
-
-
-# (CPU cases, GPU cases) per part: the interpreter runs small shapes. Routing: (tokens, experts, top_k); experts
-# and rows: (tokens, experts, top_k, hidden, intermediate).
-CASES = {
-    "routing": ([(1, 8, 2), (5, 6, 3), (9, 16, 1)],
-                [(1, 128, 8), (7, 60, 4), (64, 128, 8), (65, 128, 8), (300, 128, 8), (1000, 8, 2), (4096, 64, 6)]),
-    "experts": ([(1, 8, 2, 64, 32), (6, 4, 2, 80, 48), (70, 8, 2, 64, 32)],
-                [(1, 128, 8, 2048, 768), (3, 60, 4, 256, 200), (64, 128, 8, 512, 256), (256, 128, 8, 512, 256),
-                 (1000, 16, 2, 256, 384), (512, 128, 8, 2048, 768)]),
-    "rows": ([(1, 8, 2, 64, 32), (3, 6, 3, 80, 48), (2, 16, 4, 64, 40)],
-             [(1, 128, 8, 2048, 768), (4, 128, 8, 2048, 768), (8, 128, 8, 512, 256), (3, 60, 4, 256, 200),
-              (2, 8, 2, 256, 384), (1, 256, 8, 512, 128)]),
-}
+CPU_PARTS = ("routing", "experts")          # "block" needs CUDA (the model only dispatches there)
+GPU_PARTS = ("routing", "experts", "block")
 
 
 def run_part(device: str, part: str) -> None:
     on_cpu = device == "cpu"
-    # The interpreter truncates to 16 bits instead of rounding: float16's finer mantissa keeps that small.
-    dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
-    for seed in range(2):
-        if part == "block":
+    if part == "routing":
+        cases = [(1, 8, 2), (5, 6, 3), (9, 16, 1)] if on_cpu else \
+            [(1, 128, 8), (7, 60, 4), (64, 128, 8), (65, 128, 8), (300, 128, 8), (1000, 8, 2), (4096, 64, 6)]
+        for seed in range(2):
+            check_routing(device, seed, cases)
+    elif part == "experts":
+        cases = [(1, 8, 2, 64, 32), (6, 4, 2, 80, 48), (70, 8, 2, 64, 32)] if on_cpu else \
+            [(1, 128, 8, 2048, 768), (3, 60, 4, 256, 200), (64, 128, 8, 512, 256), (256, 128, 8, 512, 256),
+             (1000, 16, 2, 256, 384), (512, 128, 8, 2048, 768)]
+        # The interpreter truncates to 16 bits instead of rounding: float16's finer mantissa keeps that small.
+        dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
+        for seed in range(2):
+            check_experts(device, seed, cases, dtypes)
+    elif part == "block":
+        for seed in range(2):
             check_block(device, seed)
-        elif part == "routing":
-            check_routing(device, seed, CASES[part][not on_cpu])
-        elif part in ("experts", "rows"):
-            check = check_experts if part == "experts" else check_rows
-            check(device, seed, CASES[part][not on_cpu], dtypes)
-        else:
-            raise ValueError(part)
+    else:
+        raise ValueError(part)
+
 
 if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
