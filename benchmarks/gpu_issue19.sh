@@ -20,7 +20,7 @@ for s in $sections; do
           PELLUCID_PDL=0 run diag_traced_nopdl 90 python3 benchmarks/moe_graph_diag.py --traced-first ;;
     diag30b) CUDA_LAUNCH_BLOCKING=1 run diag30b_eager 120 python3 benchmarks/moe_graph_diag.py --layers 48 --batch 1 \
                --max-model-len 8209 --output-len 64 --eager-first ;;
-    checks) run moe_checks 120 python3 tests/gpu/moe_checks.py cuda routing experts rows block ;;
+    checks) run moe_checks 120 python3 tests/gpu/moe_checks.py cuda routing experts block ;;
     tests) run moe_tests 200 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_moe_gpu.py \
              tests/gpu/test_no_sync.py tests/gpu/test_async_scheduling.py ;;
     kernels) run moe_kernels 150 python3 benchmarks/moe_kernel_bench.py ;;
