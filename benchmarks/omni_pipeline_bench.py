@@ -148,6 +148,12 @@ def main() -> int:
     parser.add_argument("--chunk-size", type=int, default=25, help="async chunk: rows per chunk on both edges")
     parser.add_argument("--decode-chunk", type=int, default=25, help="code2wav window, frames")
     parser.add_argument("--left-context", type=int, default=25)
+    parser.add_argument("--first-chunk-size", type=int, default=None,
+                        help="async chunk: rows of each edge's first chunk (default: --chunk-size)")
+    parser.add_argument("--first-decode-chunk", type=int, default=None,
+                        help="async chunk: frames of code2wav's first window (default: --decode-chunk)")
+    parser.add_argument("--stages-in-process", action="store_true",
+                        help="the three engines in threads of this process (one CUDA context) instead of a process each")
     parser.add_argument("--enforce-eager", action="store_true", help="every stage's steps eagerly (no CUDA graphs)")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="thinker and talker batch limit (CUDA graphs are captured up to it)")
@@ -174,14 +180,18 @@ def main() -> int:
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     print(f"device: {device}; model: {shape}; text {args.text_tokens} tokens, audio {args.talker_frames} frames "
           f"({args.talker_frames / 12.5:.1f} s at the real model's 12.5 frames/s); code2wav windows "
-          f"{args.decode_chunk}+{args.left_context}", flush=True)
+          f"{args.decode_chunk}+{args.left_context}; async chunk's first chunk {args.first_chunk_size or args.chunk_size}, "
+          f"first window {args.first_decode_chunk or args.decode_chunk}; stages "
+          f"{'in threads of one process' if args.stages_in_process else 'one process each'}", flush=True)
     results: dict[tuple[str, int], dict] = {}
     for mode, chunk in (("async chunk", args.chunk_size), ("stage after stage", "all")):
-        graph = qwen3_omni_graph(chunk, connector="shm", decode_chunk=args.decode_chunk, left_context=args.left_context)
+        graph = qwen3_omni_graph(chunk, connector="inproc" if args.stages_in_process else "shm",
+                                 decode_chunk=args.decode_chunk, left_context=args.left_context,
+                                 first_chunk_size=args.first_chunk_size, first_decode_chunk=args.first_decode_chunk)
         if args.shape == "full":     # fixed KV pools (stages share the device; no memory profiling)
             graph = graph.with_stage_args("thinker", num_kv_blocks=2048).with_stage_args("talker", num_kv_blocks=4096)
         started = time.monotonic()
-        with OmniLLM(model, graph, engine_process=True, **kwargs) as omni:
+        with OmniLLM(model, graph, engine_process=not args.stages_in_process, **kwargs) as omni:
             print(f"{mode}: pipeline up in {time.monotonic() - started:.0f} s", flush=True)
             run_level(omni, 1, 1, args)         # warm-up
             for c in levels:

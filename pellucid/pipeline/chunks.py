@@ -3,9 +3,10 @@
 Rows are indexed: a position of the producer's sequence ("tokens" rows: the thinker's per-position
 hidden states), or an output index ("samples" rows: the talker's frames). The producer adds rows as
 steps compute them, releases those that are final (below a limit its stage decides) and cuts chunks at
-fixed boundaries: chunk i ends at row `base + (i + 1) * chunk_size` (`base`: the rows that ride with the
-first chunk, e.g. the prompt's), and the rest goes with the end of the stream. A chunk size of 0 means
-"all": one chunk at the end, the stage-after-stage pipeline on the same code path.
+fixed boundaries: chunk i ends at row `base + first_chunk_size + i * chunk_size` (`base`: the rows that ride
+with the first chunk, e.g. the prompt's; `first_chunk_size`, chunk_size unless set smaller so that the next
+stage starts sooner), and the rest goes with the end of the stream. A chunk size of 0 means "all": one
+chunk at the end, the stage-after-stage pipeline on the same code path.
 
 Every chunk is cut from the rows not sent yet (never from row 0 again), a row computed twice (a request
 recomputed after preemption) is kept once, and a gap is an error. The consumer takes chunks in index
@@ -22,16 +23,28 @@ from pellucid.pipeline.connectors import Chunk, ChunkKey, ChunkMissingError, Con
 ALL = 0     # chunk size of an edge that sends everything at the end
 
 
+def check_first_chunk_size(first_chunk_size: int | None, chunk_size: int) -> None:
+    """A first chunk smaller than the steady ones (None: the same); an edge sending everything at the end has none."""
+    if first_chunk_size is None:
+        return
+    if chunk_size == ALL:
+        raise ValueError("first_chunk_size needs a chunk size: an edge that sends everything at the end has one chunk")
+    if isinstance(first_chunk_size, bool) or not isinstance(first_chunk_size, int) or first_chunk_size < 1:
+        raise ValueError(f"first_chunk_size must be a positive number of rows, got {first_chunk_size!r}")
+
+
 class ChunkSender:
     """The producer's side of one request on one edge."""
 
     def __init__(self, request_id: str, from_stage: str, to_stage: str, connector: Connector, chunk_size: int,
-                 base: int, header: dict[str, Any] | None = None) -> None:
+                 base: int, header: dict[str, Any] | None = None, first_chunk_size: int | None = None) -> None:
         if chunk_size < 0:
             raise ValueError(f"chunk size must be >= 0 (0: everything at the end), got {chunk_size}")
+        check_first_chunk_size(first_chunk_size, chunk_size)
         self.request_id, self.from_stage, self.to_stage = request_id, from_stage, to_stage
         self.connector = connector
         self.chunk_size = chunk_size
+        self.first_chunk_size = first_chunk_size or chunk_size
         self.base = base
         self.header = header or {}      # rides with chunk 0 (the producer's constants the consumer needs)
         self.next_row = 0               # rows below it are held or sent
@@ -62,7 +75,7 @@ class ChunkSender:
         ready = min(limit, self.next_row)
         chunks = []
         while self.chunk_size != ALL:
-            boundary = self.base + (self.next_chunk + 1) * self.chunk_size
+            boundary = self.base + self.first_chunk_size + self.next_chunk * self.chunk_size
             if boundary > ready or (final and boundary >= ready):
                 break           # the end of the stream takes the last rows, so the last chunk is never empty
             chunks.append(self._cut(boundary, False))

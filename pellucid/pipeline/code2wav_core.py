@@ -4,7 +4,8 @@ It speaks the engine core's protocol (EngineCoreLoop, the clients, the engine-co
 scheduling: there is no KV cache and no sampling. A request's frames arrive in chunks (the stage_input
 protocol: the pipeline relays each notice through the utility "stage_input.arrived"); the stream is
 decoded in windows of `chunk_size` frames with `left_context` frames before each, exactly as
-transformers' `chunked_decode` cuts it, whatever the chunks the frames came in. Each step decodes the
+transformers' `chunked_decode` cuts it (after a shorter first window when `first_chunk_size` is set),
+whatever the chunks the frames came in. Each step decodes the
 windows that are complete (or the last one, once the stream ended), batching windows of equal length
 across requests, and reports each window's samples in the request's output (`events["audio"]`, a float32
 tensor). A request finishes once its stream ended and every frame is decoded; one whose chunks are
@@ -40,6 +41,13 @@ class DecodeWindows:
 
     chunk_size: int = 300           # frames per window (transformers' generate uses 300)
     left_context: int = 25          # frames of left context decoded again before each window
+    # Frames of the first window, if fewer than chunk_size: the first audio packet waits for these only. The
+    # windows after it start at first_chunk_size + i * chunk_size, each with its left context as usual.
+    first_chunk_size: int | None = None
+
+    def size_at(self, start: int) -> int:
+        """Frames of the window that starts at frame `start`."""
+        return self.first_chunk_size if start == 0 and self.first_chunk_size else self.chunk_size
 
 
 class _Stream:
@@ -61,9 +69,9 @@ class _Stream:
         """(first frame fed, end, context) of the next window to decode, or None while it is incomplete."""
         if self.decoded >= self.num_frames:
             return None
-        lo, hi, context = window_bounds(self.decoded, self.num_frames, self.windows.chunk_size,
-                                        self.windows.left_context)
-        if hi - self.decoded < self.windows.chunk_size and not self.ended:
+        size = self.windows.size_at(self.decoded)
+        lo, hi, context = window_bounds(self.decoded, self.num_frames, size, self.windows.left_context)
+        if hi - self.decoded < size and not self.ended:
             return None
         return lo, hi, context
 
@@ -125,8 +133,10 @@ class Code2WavCore:
             raise ValueError("code2wav decodes frames from the talker: a request needs a StageInputSpec in "
                              f"extras[{STAGE_INPUT_KEY!r}]")
         windows = spec.params if spec.params is not None else DecodeWindows()
-        if not isinstance(windows, DecodeWindows) or windows.chunk_size < 1 or windows.left_context < 0:
-            raise ValueError(f"code2wav windows must be DecodeWindows(chunk_size >= 1, left_context >= 0), got {windows!r}")
+        if (not isinstance(windows, DecodeWindows) or windows.chunk_size < 1 or windows.left_context < 0
+                or (windows.first_chunk_size is not None and windows.first_chunk_size < 1)):
+            raise ValueError("code2wav windows must be DecodeWindows(chunk_size >= 1, left_context >= 0, "
+                             f"first_chunk_size None or >= 1), got {windows!r}")
         self.streams[rid] = _Stream(request, spec, windows)
         self.num_requests_added += 1
 

@@ -14,16 +14,18 @@ stages:
     submodel: code2wav
     emits: [audio]
     core: pellucid.pipeline.code2wav_core:Code2WavCore     # an engine core that is no LLM
-    params: {chunk_size: 25, left_context: 25}             # decode windows, in frames
+    params: {chunk_size: 25, left_context: 25, first_chunk_size: 5}   # decode windows, in frames
 edges:
-  - {from: thinker, to: talker, connector: shm, chunk_size: 7}
+  - {from: thinker, to: talker, connector: shm, chunk_size: 7, first_chunk_size: 2}
   - {from: talker, to: code2wav, connector: shm, chunk_size: 7}
 ```
 
 `engine_args` take the engine's vLLM-style names (device, dtype, gpu_memory_utilization, max_num_seqs,
 max_model_len, num_kv_blocks, enforce_eager, ...). A chunk size counts the producer's rows (thinker
 positions past the prompt, talker frames); `all` sends everything in one chunk when the producer is
-done: stage after stage, through the same code path. Each stage takes input from one edge at most, and
+done: stage after stage, through the same code path. `first_chunk_size` makes an edge's first chunk
+smaller than the steady ones (and code2wav's `first_chunk_size` its first window), so the next stage
+starts, and the first audio packet comes, sooner. Each stage takes input from one edge at most, and
 the graph is a chain from its first stage (the one the client's prompt goes to).
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pellucid.pipeline.chunks import ALL
+from pellucid.pipeline.chunks import ALL, check_first_chunk_size
 
 EMITS = ("text", "hidden", "codes", "audio")
 CONNECTORS = ("inproc", "shm")
@@ -54,6 +56,7 @@ class EdgeSpec:
     dst: str
     connector: str = "inproc"
     chunk_size: int = ALL                   # rows per chunk; ALL (0): one chunk at the end
+    first_chunk_size: int | None = None     # rows of the first chunk, if fewer than chunk_size: the next stage starts sooner
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ class PipelineGraph:
                                  f"known: {', '.join(CONNECTORS)}")
             if edge.chunk_size < 0:
                 raise ValueError(f"edge {edge.src} -> {edge.dst}: chunk_size must be >= 1 or 'all'")
+            try:
+                check_first_chunk_size(edge.first_chunk_size, edge.chunk_size)
+            except ValueError as exc:
+                raise ValueError(f"edge {edge.src} -> {edge.dst}: {exc}") from None
             if edge.dst in inputs:
                 raise ValueError(f"stage {edge.dst!r} has two inputs ({inputs[edge.dst]}, {edge.src}); one at most")
             inputs[edge.dst] = edge.src
@@ -117,9 +124,12 @@ class PipelineGraph:
         return self.stage(self.order[-1])
 
     def with_chunk_size(self, chunk_size: int | str) -> "PipelineGraph":
-        """The same pipeline with every edge's chunk size set (`"all"`: stage after stage)."""
+        """The same pipeline with every edge's chunk size set (`"all"`: stage after stage, with no first chunk
+        sizes; otherwise an edge keeps its first chunk size)."""
         size = parse_chunk_size(chunk_size)
-        return dataclasses.replace(self, edges=tuple(dataclasses.replace(e, chunk_size=size) for e in self.edges))
+        return dataclasses.replace(self, edges=tuple(
+            dataclasses.replace(e, chunk_size=size, first_chunk_size=None if size == ALL else e.first_chunk_size)
+            for e in self.edges))
 
     def with_connector(self, connector: str) -> "PipelineGraph":
         return dataclasses.replace(self, edges=tuple(dataclasses.replace(e, connector=connector) for e in self.edges))
@@ -144,7 +154,8 @@ class PipelineGraph:
                                      core=s.get("core"), params=dict(s.get("params") or {}))
                            for s in config["stages"])
             edges = tuple(EdgeSpec(src=e["from"], dst=e["to"], connector=e.get("connector", "inproc"),
-                                   chunk_size=parse_chunk_size(e.get("chunk_size", "all")))
+                                   chunk_size=parse_chunk_size(e.get("chunk_size", "all")),
+                                   first_chunk_size=e.get("first_chunk_size"))
                           for e in config.get("edges", ()))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"bad pipeline config: {type(exc).__name__}: {exc}") from exc
@@ -166,14 +177,21 @@ def parse_chunk_size(value: int | str) -> int:
 
 
 def qwen3_omni_graph(chunk_size: int | str = 25, connector: str = "inproc", decode_chunk: int = 25,
-                     left_context: int = 25) -> PipelineGraph:
+                     left_context: int = 25, first_chunk_size: int | None = None,
+                     first_decode_chunk: int | None = None) -> PipelineGraph:
     """Qwen3-Omni's three stages. `chunk_size` on both edges (thinker positions, talker frames; "all" for
     stage after stage); code2wav decodes windows of `decode_chunk` frames with `left_context` frames before
-    each (transformers' generate: chunked_decode with 300 and 25)."""
+    each (transformers' generate: chunked_decode with 300 and 25). `first_chunk_size` (both edges) and
+    `first_decode_chunk` (code2wav's first window) start the next stages sooner; with "all" they are unused."""
     size = parse_chunk_size(chunk_size)
+    first = first_chunk_size if size != ALL else None
+    windows: dict[str, Any] = {"chunk_size": decode_chunk, "left_context": left_context}
+    if first_decode_chunk is not None and size != ALL:
+        windows["first_chunk_size"] = first_decode_chunk
     return PipelineGraph(
         stages=(StageSpec("thinker", "thinker", ("text", "hidden")),
                 StageSpec("talker", "talker", ("codes",)),
                 StageSpec("code2wav", "code2wav", ("audio",), core="pellucid.pipeline.code2wav_core:Code2WavCore",
-                          params={"chunk_size": decode_chunk, "left_context": left_context})),
-        edges=(EdgeSpec("thinker", "talker", connector, size), EdgeSpec("talker", "code2wav", connector, size)))
+                          params=windows)),
+        edges=(EdgeSpec("thinker", "talker", connector, size, first),
+               EdgeSpec("talker", "code2wav", connector, size, first)))

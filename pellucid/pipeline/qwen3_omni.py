@@ -85,7 +85,7 @@ class Qwen3OmniRequests:
 
     def _edge(self, src: str, dst: str) -> OutputEdge:
         edge = next(e for e in self.graph.edges if e.src == src and e.dst == dst)
-        return OutputEdge(dst, edge.chunk_size, self.connectors[(src, dst)])
+        return OutputEdge(dst, edge.chunk_size, self.connectors[(src, dst)], edge.first_chunk_size)
 
 
 def check_audio_params(params: SamplingParams) -> None:

@@ -46,6 +46,7 @@ class OutputEdge:
     to_stage: str
     chunk_size: int                 # rows per chunk; 0: everything in one chunk at the end
     connector: ConnectorSpec
+    first_chunk_size: int | None = None     # rows of the first chunk (None: chunk_size)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class EngineStageOutput(EngineFeature):
         header_fn = getattr(self.model, "stage_header", None)
         header = header_fn() if header_fn is not None else None
         senders = [ChunkSender(request.request_id, spec.stage, edge.to_stage, open_connector(edge.connector),
-                               edge.chunk_size, base, header) for edge in spec.edges]
+                               edge.chunk_size, base, header, edge.first_chunk_size) for edge in spec.edges]
         request.extras[STAGE_OUTPUT_KEY] = _OutputState(spec, senders)
         request.read_prefix_cache = False       # every position's rows are computed, and sent
         request.publish_prefix_cache = False

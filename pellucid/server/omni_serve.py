@@ -82,7 +82,8 @@ def log_pipeline_banner(omni: Any, args: argparse.Namespace) -> None:
                     stage, info.architecture, info.dtype, info.device, info.pid, info.num_blocks, info.block_size,
                     info.max_num_seqs)
     for edge in pipeline.graph.edges:
-        logger.info("edge %s -> %s: %s connector, chunk size %s", edge.src, edge.dst, edge.connector,
-                    edge.chunk_size or "all")
+        first = f" (first chunk {edge.first_chunk_size})" if edge.first_chunk_size else ""
+        logger.info("edge %s -> %s: %s connector, chunk size %s%s", edge.src, edge.dst, edge.connector,
+                    edge.chunk_size or "all", first)
     logger.info("voices: %s; audio %d Hz; API key %s", ", ".join(pipeline.omni.speakers), pipeline.sample_rate,
                 "required" if args.api_key else "not required")

@@ -33,19 +33,23 @@ def stream_rows(sender: ChunkSender, rows: torch.Tensor, rng: random.Random, pro
     return put
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 7, ALL])
+@pytest.mark.parametrize("chunk_size,first_chunk_size", [(1, None), (3, None), (7, None), (ALL, None), (7, 1),
+                                                       (5, 2)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_chunks_carry_every_row_once_in_order(chunk_size: int, seed: int) -> None:
+def test_chunks_carry_every_row_once_in_order(chunk_size: int, first_chunk_size: int | None, seed: int) -> None:
     rng = random.Random(seed)
     rows = torch.randn(rng.randint(15, 40), 3)
     prompt = rng.randint(2, 6)
     connector = InprocConnector()
-    sender = ChunkSender("r", "a", "b", connector, chunk_size, base=prompt, header={"h": torch.ones(2)})
+    sender = ChunkSender("r", "a", "b", connector, chunk_size, base=prompt, header={"h": torch.ones(2)},
+                         first_chunk_size=first_chunk_size)
     chunks = stream_rows(sender, rows, rng, prompt)
     assert [key.index for key, _ in chunks] == list(range(len(chunks)))
     assert [c.final for _, c in chunks] == [False] * (len(chunks) - 1) + [True]
-    if chunk_size != ALL:       # chunk i ends at prompt + (i + 1) * chunk_size; only the last is shorter
-        assert all(c.first + c.num_rows == prompt + (k.index + 1) * chunk_size for k, c in chunks[:-1])
+    if chunk_size != ALL:       # chunk i ends at prompt + first + i * chunk_size; only the last is shorter
+        first = first_chunk_size or chunk_size
+        assert all(c.first + c.num_rows == prompt + first + k.index * chunk_size for k, c in chunks[:-1])
+        assert len(chunks) > 1 and chunks[0][1].num_rows == prompt + first
     for key, chunk in chunks:
         connector.put(key, chunk)
     receiver = ChunkReceiver("r", "a", "b")
@@ -57,6 +61,13 @@ def test_chunks_carry_every_row_once_in_order(chunk_size: int, seed: int) -> Non
     assert torch.equal(got[0].payload["h"], torch.ones(2))
     with pytest.raises(ChunkMissingError, match="delivered twice"):
         receiver.arrived(notices[0], connector)
+
+
+def test_first_chunk_size_is_checked() -> None:
+    with pytest.raises(ValueError, match="needs a chunk size"):
+        ChunkSender("r", "a", "b", InprocConnector(), ALL, base=0, first_chunk_size=2)
+    with pytest.raises(ValueError, match="positive number of rows"):
+        ChunkSender("r", "a", "b", InprocConnector(), 4, base=0, first_chunk_size=0)
 
 
 def test_missing_and_gaps_are_errors_naming_the_chunk() -> None:

@@ -91,3 +91,23 @@ def test_streamed_windows_equal_chunked_decode(omni_dir, hf_results) -> None:
             reference = model.code2wav.chunked_decode(codes[None], chunk_size=4, left_context_size=3)[0, 0]
         assert out.audio.shape == reference.shape
         assert torch.allclose(out.audio, reference, rtol=0, atol=WAVE_TOLERANCE)
+
+
+def test_a_shorter_first_window_equals_decoding_those_windows(omni_dir, hf_results) -> None:
+    """A first code2wav window of 2 frames, then windows of 4 with 3 of left context: each window decoded by
+    transformers' code2wav on its frames and context, its new samples concatenated."""
+    graph = qwen3_omni_graph(1, decode_chunk=4, left_context=3, first_chunk_size=1, first_decode_chunk=2)
+    with OmniLLM(omni_dir, graph, device="cpu", max_model_len=256, num_kv_blocks=256) as omni:
+        ours = run_cases(omni)
+    for (out, _), (_, _, codes, _, model) in zip(ours, hf_results):
+        decoder, frames = model.code2wav, codes.shape[-1]
+        pieces, start = [], 0
+        with torch.no_grad():
+            while start < frames:
+                end = min(start + (2 if start == 0 else 4), frames)
+                context = 3 if start - 3 > 0 else start
+                pieces.append(decoder(codes[None, :, start - context:end])[0, 0, context * decoder.total_upsample:])
+                start = end
+        reference = torch.cat(pieces)
+        assert out.audio.shape == reference.shape
+        assert torch.allclose(out.audio, reference, rtol=0, atol=WAVE_TOLERANCE)

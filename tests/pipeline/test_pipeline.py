@@ -26,10 +26,10 @@ CONVERSATIONS = [
 VOICES = ["ethan", "chelsie", "ethan"]
 
 
-def make_omni(omni_dir: str, chunk_size: int | str, **kwargs) -> OmniLLM:
+def make_omni(omni_dir: str, chunk_size: int | str, first_chunk_size: int | None = None, **kwargs) -> OmniLLM:
     # Small decode windows, so a short utterance spans several of them.
-    return OmniLLM(omni_dir, qwen3_omni_graph(chunk_size, decode_chunk=5, left_context=3), device="cpu",
-                   max_model_len=256, num_kv_blocks=256, **kwargs)
+    graph = qwen3_omni_graph(chunk_size, decode_chunk=5, left_context=3, first_chunk_size=first_chunk_size)
+    return OmniLLM(omni_dir, graph, device="cpu", max_model_len=256, num_kv_blocks=256, **kwargs)
 
 
 def run(omni: OmniLLM, params: list[SamplingParams] | None = None) -> dict[str, OmniOutput]:
@@ -74,9 +74,10 @@ def reference(omni_dir) -> dict[str, OmniOutput]:
     return outputs
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7])
-def test_async_chunks_equal_stage_after_stage(omni_dir, reference, chunk_size: int) -> None:
-    with make_omni(omni_dir, chunk_size) as omni:
+@pytest.mark.parametrize("chunk_size,first_chunk_size", [(1, None), (7, None), (7, 1)])
+def test_async_chunks_equal_stage_after_stage(omni_dir, reference, chunk_size: int, first_chunk_size: int | None
+                                              ) -> None:
+    with make_omni(omni_dir, chunk_size, first_chunk_size) as omni:
         outputs = run(omni)
         assert_everything_freed(omni)
         relayed = omni.pipeline.num_relayed
