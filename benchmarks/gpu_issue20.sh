@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 20 (the Qwen3-Omni speech pipeline) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue20.sh [SECTION ...]
-#   sections: tests bench bench_small
+#   sections: tests bench bench_eager bench_first bench_inproc bench_small
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue20}
@@ -21,6 +21,14 @@ for s in $sections; do
              --talker-frames 100 ;;
     bench_eager) run omni_bench_eager 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --text-tokens 200 \
              --talker-frames 100 --enforce-eager ;;
+    # The TTFP levers (2026-11-25, not yet run on the GPU): async chunk with a first chunk of 2 rows on both edges
+    # and a first code2wav window of 5 frames; then the same with the three engines in one process (one CUDA
+    # context, no time slicing between processes).
+    bench_first) run omni_bench_first 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
+                   --text-tokens 200 --talker-frames 100 --first-chunk-size 2 --first-decode-chunk 5 ;;
+    bench_inproc) run omni_bench_inproc 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
+                    --text-tokens 200 --talker-frames 100 --first-chunk-size 2 --first-decode-chunk 5 \
+                    --stages-in-process ;;
     # A quicker pass if the full one runs out of time: fewer frames, two levels.
     bench_small) run omni_bench_small 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8 \
                    --text-tokens 100 --talker-frames 120 ;;
