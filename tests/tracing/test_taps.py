@@ -148,12 +148,12 @@ class GraphStandIn:
         self.hooks.setdefault((size, key), hooks)
         return True
 
-    def replay(self, size: int, key: Any) -> torch.Tensor:
+    def replay(self, size: int, key: Any, extras: Any = None) -> torch.Tensor:
         self.replays.append(key)
         if not key:
-            return self.runner._forward(self.batch)
+            return self.runner._forward(self.batch, extras)
         with self.hooks[(size, key)](size):
-            return self.runner._forward(self.batch)
+            return self.runner._forward(self.batch, extras)
 
 
 def install_graph_stand_in(llm: Any, monkeypatch: Any) -> GraphStandIn:
