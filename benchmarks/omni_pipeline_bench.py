@@ -24,6 +24,7 @@ RTF < 0.1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -97,10 +98,16 @@ def build_full(out_dir: str, thinker_layers: int) -> str:
     return out_dir
 
 
-def prompt_ids(model_dir: str, rng: torch.Generator, user_words: int) -> list[int]:
-    """A one-turn chat prompt in the checkpoint's token ids: <|im_start|>user ... <|im_end|> <|im_start|>assistant."""
+@functools.lru_cache(maxsize=None)
+def _hf_config(model_dir: str):
     from pellucid.models.loader import read_hf_config
-    c = read_hf_config(model_dir)
+    return read_hf_config(model_dir)
+
+
+def prompt_ids(model_dir: str, rng: torch.Generator, user_words: int) -> list[int]:
+    """A one-turn chat prompt in the checkpoint's token ids: <|im_start|>user ... <|im_end|> <|im_start|>assistant.
+    (The config is read once: reading it per request stalled the driving loop while requests were in flight.)"""
+    c = _hf_config(model_dir)
     small = c.thinker_config.text_config.vocab_size < 10000      # the tiny test checkpoint: specials at both ends
     newline = 198 if not small else 30
     words = torch.randint(*((20, 400) if small else (1000, 100000)), (user_words,), generator=rng).tolist()
