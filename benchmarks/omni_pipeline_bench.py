@@ -106,7 +106,7 @@ def _hf_config(model_dir: str):
 
 def prompt_ids(model_dir: str, rng: torch.Generator, user_words: int) -> list[int]:
     """A one-turn chat prompt in the checkpoint's token ids: <|im_start|>user ... <|im_end|> <|im_start|>assistant.
-    (The config is read once: reading it per request stalled the driving loop while requests were in flight.)"""
+    (The config is read once, not per request inside the loop that drives the pipeline and times it.)"""
     c = _hf_config(model_dir)
     small = c.thinker_config.text_config.vocab_size < 10000      # the tiny test checkpoint: specials at both ends
     newline = 198 if not small else 30
