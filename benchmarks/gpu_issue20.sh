@@ -21,13 +21,15 @@ for s in $sections; do
              --talker-frames 100 ;;
     bench_eager) run omni_bench_eager 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --text-tokens 200 \
              --talker-frames 100 --enforce-eager ;;
-    # The TTFP levers (2026-11-25, not yet run on the GPU): async chunk with a first chunk of 2 rows on both edges
-    # and a first code2wav window of 5 frames; then the same with the three engines in one process (one CUDA
-    # context, no time slicing between processes).
+    # The TTFP levers. A first chunk of 2 on both edges and a first window of 5 gave TTFP 0.589 s against 0.613
+    # (2026-11-25 19:13 UTC, async half only): the talker -> code2wav edge's second chunk (at 27 frames) held the
+    # first window back, and the talker waited for the thinker's second chunk (27 tokens). Now the first window
+    # sets that edge's first chunk, and steady chunks of 5 keep the talker fed. Then the same with the three
+    # engines in one process (one CUDA context, no time slicing between processes).
     bench_first) run omni_bench_first 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
-                   --text-tokens 200 --talker-frames 100 --first-chunk-size 2 --first-decode-chunk 5 ;;
+                   --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 ;;
     bench_inproc) run omni_bench_inproc 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
-                    --text-tokens 200 --talker-frames 100 --first-chunk-size 2 --first-decode-chunk 5 \
+                    --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
                     --stages-in-process ;;
     # A quicker pass if the full one runs out of time: fewer frames, two levels.
     bench_small) run omni_bench_small 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8 \

@@ -156,9 +156,10 @@ def main() -> int:
     parser.add_argument("--decode-chunk", type=int, default=25, help="code2wav window, frames")
     parser.add_argument("--left-context", type=int, default=25)
     parser.add_argument("--first-chunk-size", type=int, default=None,
-                        help="async chunk: rows of each edge's first chunk (default: --chunk-size)")
+                        help="async chunk: thinker rows of the thinker -> talker edge's first chunk (default: --chunk-size)")
     parser.add_argument("--first-decode-chunk", type=int, default=None,
-                        help="async chunk: frames of code2wav's first window (default: --decode-chunk)")
+                        help="async chunk: frames of code2wav's first window, and of the talker -> code2wav edge's "
+                             "first chunk (default: --decode-chunk and --chunk-size)")
     parser.add_argument("--stages-in-process", action="store_true",
                         help="the three engines in threads of this process (one CUDA context) instead of a process each")
     parser.add_argument("--enforce-eager", action="store_true", help="every stage's steps eagerly (no CUDA graphs)")
@@ -187,8 +188,8 @@ def main() -> int:
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     print(f"device: {device}; model: {shape}; text {args.text_tokens} tokens, audio {args.talker_frames} frames "
           f"({args.talker_frames / 12.5:.1f} s at the real model's 12.5 frames/s); code2wav windows "
-          f"{args.decode_chunk}+{args.left_context}; async chunk's first chunk {args.first_chunk_size or args.chunk_size}, "
-          f"first window {args.first_decode_chunk or args.decode_chunk}; stages "
+          f"{args.decode_chunk}+{args.left_context}; async chunk {args.chunk_size}, first thinker chunk "
+          f"{args.first_chunk_size or args.chunk_size}, first window {args.first_decode_chunk or args.decode_chunk}; stages "
           f"{'in threads of one process' if args.stages_in_process else 'one process each'}", flush=True)
     results: dict[tuple[str, int], dict] = {}
     for mode, chunk in (("async chunk", args.chunk_size), ("stage after stage", "all")):

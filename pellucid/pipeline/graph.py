@@ -181,17 +181,19 @@ def qwen3_omni_graph(chunk_size: int | str = 25, connector: str = "inproc", deco
                      first_decode_chunk: int | None = None) -> PipelineGraph:
     """Qwen3-Omni's three stages. `chunk_size` on both edges (thinker positions, talker frames; "all" for
     stage after stage); code2wav decodes windows of `decode_chunk` frames with `left_context` frames before
-    each (transformers' generate: chunked_decode with 300 and 25). `first_chunk_size` (both edges) and
-    `first_decode_chunk` (code2wav's first window) start the next stages sooner; with "all" they are unused."""
+    each (transformers' generate: chunked_decode with 300 and 25). `first_chunk_size`: the thinker -> talker
+    edge's first chunk (the talker starts after that many thinker tokens); `first_decode_chunk`: code2wav's
+    first window, and the talker -> code2wav edge's first chunk with it (a window cannot be decoded before
+    its frames arrive: a larger first chunk would hold it back). With "all" both are unused."""
     size = parse_chunk_size(chunk_size)
-    first = first_chunk_size if size != ALL else None
     windows: dict[str, Any] = {"chunk_size": decode_chunk, "left_context": left_context}
-    if first_decode_chunk is not None and size != ALL:
+    streaming = size != ALL
+    if first_decode_chunk is not None and streaming:
         windows["first_chunk_size"] = first_decode_chunk
     return PipelineGraph(
         stages=(StageSpec("thinker", "thinker", ("text", "hidden")),
                 StageSpec("talker", "talker", ("codes",)),
                 StageSpec("code2wav", "code2wav", ("audio",), core="pellucid.pipeline.code2wav_core:Code2WavCore",
                           params=windows)),
-        edges=(EdgeSpec("thinker", "talker", connector, size, first),
-               EdgeSpec("talker", "code2wav", connector, size, first)))
+        edges=(EdgeSpec("thinker", "talker", connector, size, first_chunk_size if streaming else None),
+               EdgeSpec("talker", "code2wav", connector, size, first_decode_chunk if streaming else None)))

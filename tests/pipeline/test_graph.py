@@ -32,7 +32,7 @@ def test_yaml_pipeline(tmp_path) -> None:
     assert [(e.chunk_size, e.first_chunk_size) for e in graph.with_chunk_size("all").edges] == [(ALL, None)] * 2
     assert graph.with_chunk_size(3).edges[0].first_chunk_size == 2
     small = qwen3_omni_graph(25, first_chunk_size=3, first_decode_chunk=5)
-    assert [e.first_chunk_size for e in small.edges] == [3, 3]
+    assert [e.first_chunk_size for e in small.edges] == [3, 5]      # talker -> code2wav: the first window
     assert small.stage("code2wav").params["first_chunk_size"] == 5
     everything = qwen3_omni_graph("all", first_chunk_size=3, first_decode_chunk=5)
     assert [e.first_chunk_size for e in everything.edges] == [None, None]

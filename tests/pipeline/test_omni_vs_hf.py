@@ -96,7 +96,7 @@ def test_streamed_windows_equal_chunked_decode(omni_dir, hf_results) -> None:
 def test_a_shorter_first_window_equals_decoding_those_windows(omni_dir, hf_results) -> None:
     """A first code2wav window of 2 frames, then windows of 4 with 3 of left context: each window decoded by
     transformers' code2wav on its frames and context, its new samples concatenated."""
-    graph = qwen3_omni_graph(1, decode_chunk=4, left_context=3, first_chunk_size=1, first_decode_chunk=2)
+    graph = qwen3_omni_graph(3, decode_chunk=4, left_context=3, first_chunk_size=1, first_decode_chunk=2)
     with OmniLLM(omni_dir, graph, device="cpu", max_model_len=256, num_kv_blocks=256) as omni:
         ours = run_cases(omni)
     for (out, _), (_, _, codes, _, model) in zip(ours, hf_results):
