@@ -207,8 +207,11 @@ def main() -> int:
                 print(f"  {mode} c={c}: {r}", flush=True)
             for stage, stats in omni.stats().items():
                 if stats is not None:
-                    print(f"  {mode} {stage}: {stats.num_steps} steps, {stats.num_graph_steps} replayed a CUDA graph; "
-                          f"head paths {stats.lm_head_usage}", flush=True)
+                    # Mean wall time per step, from the engine's own clock: on a GPU shared by the stages' processes it
+                    # includes waiting for the other stages' work.
+                    step_ms = 1000 * stats.step_seconds / max(stats.num_steps, 1)
+                    print(f"  {mode} {stage}: {stats.num_steps} steps ({step_ms:.2f} ms each), {stats.num_graph_steps} "
+                          f"replayed a CUDA graph; head paths {stats.lm_head_usage}", flush=True)
     print()
     print("| concurrency | figure | async chunk | stage after stage | async / stage-after-stage |")
     print("| --- | --- | --- | --- | --- |")
