@@ -479,7 +479,8 @@ class EngineCore:
             prefix_cache_queries=self.kv_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_manager.prefix_cache_hits,
             num_steps=self.num_steps, step_seconds=self.step_seconds, num_steps_ahead=self.num_steps_ahead,
-            num_graph_steps=getattr(self.runner, "num_graph_steps", 0), num_step_failures=self.num_step_failures, num_aborted=self.num_aborted,
+            num_graph_steps=self.runner.num_graph_steps, num_step_failures=self.num_step_failures,
+            num_aborted=self.num_aborted,
             num_requests_added=self.num_requests_added, num_requests_refused=self.num_requests_refused,
             lm_head_usage=self.runner.head.usage())
 

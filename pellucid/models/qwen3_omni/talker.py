@@ -204,9 +204,9 @@ class Qwen3OmniTalker(nn.Module):
             raise RuntimeError(f"a talker step of {rows} rows does not fit a graph of {size}")
         # Padding rows keep earlier rows' values: valid inputs whose outputs nobody reads.
         inputs = self._graph_inputs
-        inputs.thinker_vectors[:rows].copy_(step.thinker_vectors, non_blocking=True)
-        inputs.projection[:rows].copy_(step.projection, non_blocking=True)
-        inputs.codes[:rows].copy_(step.codes, non_blocking=True)
+        inputs.thinker_vectors[:rows].copy_(step.thinker_vectors)
+        inputs.projection[:rows].copy_(step.projection)
+        inputs.codes[:rows].copy_(step.codes)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         inputs = get_forward_context().extras.get(TALKER_INPUTS_KEY)
