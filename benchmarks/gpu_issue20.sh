@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 20 (the Qwen3-Omni speech pipeline) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue20.sh [SECTION ...]
-#   sections: tests bench bench_eager bench_first bench_inproc bench_small
+#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long bench_small
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue20}
@@ -18,22 +18,30 @@ for s in $sections; do
     # on the thinker, talker and code predictor. 100 frames (8 s of audio). The eager pipeline (2026-11-25,
     # ~150 ms a frame) did not fit both modes in one call; run `bench_eager` for that baseline.
     bench) run omni_bench 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 --text-tokens 200 \
-             --talker-frames 100 ;;
+             --talker-frames 100 --stages processes ;;
     bench_eager) run omni_bench_eager 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --text-tokens 200 \
-             --talker-frames 100 --enforce-eager ;;
+             --talker-frames 100 --enforce-eager --stages processes ;;
     # The TTFP levers. A first chunk of 2 on both edges and a first window of 5 gave TTFP 0.589 s against 0.613
     # (2026-11-25 19:13 UTC, async half only): the talker -> code2wav edge's second chunk (at 27 frames) held the
     # first window back, and the talker waited for the thinker's second chunk (27 tokens). Now the first window
-    # sets that edge's first chunk, and steady chunks of 5 keep the talker fed. Then the same with the three
-    # engines in one process (one CUDA context, no time slicing between processes).
+    # sets that edge's first chunk, and steady chunks of 5 keep the talker fed.
     bench_first) run omni_bench_first 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
-                   --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 ;;
-    bench_inproc) run omni_bench_inproc 560 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
-                    --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
-                    --stages-in-process ;;
+                   --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
+                   --stages processes ;;
+    # The same with the three engines in threads of one process, a CUDA stream each (one CUDA context: their
+    # kernels run side by side instead of the GPU time-slicing between three processes' contexts).
+    tests_threads) run omni_gpu_tests_threads 150 python3 -m pytest -q -rA -p no:cacheprovider -x \
+                     tests/gpu/test_omni_gpu.py -k stage_threads ;;
+    bench_threads) run omni_bench_threads 400 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
+                     --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
+                     --stages threads ;;
+    # A 200-token answer at the length it takes to say (625 frames, 50 s of audio), one request at a time.
+    bench_long) run omni_bench_long 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 \
+                  --requests-per-level 1 --text-tokens 200 --talker-frames 625 --chunk-size 5 --first-chunk-size 1 \
+                  --first-decode-chunk 5 --stages threads ;;
     # A quicker pass if the full one runs out of time: fewer frames, two levels.
     bench_small) run omni_bench_small 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8 \
-                   --text-tokens 100 --talker-frames 120 ;;
+                   --text-tokens 100 --talker-frames 120 --stages threads ;;
     *) echo "unknown section $s" | tee -a "$OUT/summary.md" ;;
   esac
 done

@@ -6,7 +6,11 @@
 Each stage is an engine in its own process on the same device (chunks through shared memory). For each
 concurrency, `--requests-per-level` x concurrency requests (at least 2 x concurrency) run with that many in
 flight: a chat prompt, a 200-token answer (`--text-tokens`, EOS ignored: random weights), spoken in
-`--talker-frames` frames (EOS banned until then; 12.5 frames per second of audio). Reported, median over requests:
+`--talker-frames` frames (EOS banned until then; 12.5 frames per second of audio). The default, 625 frames
+(50 s), is how long a 200-token answer takes to say: speech runs at about 3-4 text tokens a second, and the
+talker takes one thinker row per frame while the text lasts, so it can never speak 200 tokens in fewer than
+200 frames. Fewer frames than that (`--talker-frames 100`, as the first runs used) make the text, not the
+speech, bound each request's latency. Reported, median over requests:
 time to the first text token (TTFT), time to the first audio packet (TTFP), real-time factor (request
 latency / audio duration), and output text tokens/s and audio seconds/s over the level's wall time; the
 last column is async chunk / stage after stage.
@@ -45,6 +49,10 @@ from pellucid.sampling_params import SamplingParams  # noqa: E402
 IDS = dict(im_start=151644, im_end=151645, user=872, assistant=77091, system=8948,
            tts_pad=151671, tts_bos=151672, tts_eos=151673, audio=151675, image=151655, video=151656,
            audio_start=151669, vision_start=151652)
+
+
+STAGE_HOMES = {"threads": "in threads of one process, a CUDA stream each", "processes": "one process each",
+               "turns": "in this thread, stepped in turn"}
 
 
 def full_config(thinker_layers: int) -> dict:
@@ -150,7 +158,7 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests-per-level", type=int, default=2, help="requests per level = this x concurrency")
     parser.add_argument("--text-tokens", type=int, default=200)
-    parser.add_argument("--talker-frames", type=int, default=250)
+    parser.add_argument("--talker-frames", type=int, default=625)
     parser.add_argument("--prompt-words", type=int, default=40)
     parser.add_argument("--chunk-size", type=int, default=25, help="async chunk: rows per chunk on both edges")
     parser.add_argument("--decode-chunk", type=int, default=25, help="code2wav window, frames")
@@ -160,8 +168,10 @@ def main() -> int:
     parser.add_argument("--first-decode-chunk", type=int, default=None,
                         help="async chunk: frames of code2wav's first window, and of the talker -> code2wav edge's "
                              "first chunk (default: --decode-chunk and --chunk-size)")
-    parser.add_argument("--stages-in-process", action="store_true",
-                        help="the three engines in threads of this process (one CUDA context) instead of a process each")
+    parser.add_argument("--stages", choices=["threads", "processes", "turns"], default="threads",
+                        help="where the three engines run: threads of this process, each stepping by itself on a "
+                             "CUDA stream of its own (one CUDA context); a process each (the GPU time-slices between "
+                             "their contexts); or this thread, stepped in turn")
     parser.add_argument("--enforce-eager", action="store_true", help="every stage's steps eagerly (no CUDA graphs)")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="thinker and talker batch limit (CUDA graphs are captured up to it)")
@@ -190,20 +200,21 @@ def main() -> int:
           f"({args.talker_frames / 12.5:.1f} s at the real model's 12.5 frames/s); code2wav windows "
           f"{args.decode_chunk}+{args.left_context}; async chunk {args.chunk_size}, first thinker chunk "
           f"{args.first_chunk_size or args.chunk_size}, first window {args.first_decode_chunk or args.decode_chunk}; stages "
-          f"{'in threads of one process' if args.stages_in_process else 'one process each'}", flush=True)
+          f"{STAGE_HOMES[args.stages]}", flush=True)
     results: dict[tuple[str, int], dict] = {}
     for mode, chunk in (("async chunk", args.chunk_size), ("stage after stage", "all")):
-        graph = qwen3_omni_graph(chunk, connector="inproc" if args.stages_in_process else "shm",
+        graph = qwen3_omni_graph(chunk, connector="shm" if args.stages == "processes" else "inproc",
                                  decode_chunk=args.decode_chunk, left_context=args.left_context,
                                  first_chunk_size=args.first_chunk_size, first_decode_chunk=args.first_decode_chunk)
         if args.shape == "full":     # fixed KV pools (stages share the device; no memory profiling)
             graph = graph.with_stage_args("thinker", num_kv_blocks=2048).with_stage_args("talker", num_kv_blocks=4096)
         started = time.monotonic()
-        with OmniLLM(model, graph, engine_process=not args.stages_in_process, **kwargs) as omni:
+        with OmniLLM(model, graph, engine_process=args.stages == "processes", stage_threads=args.stages == "threads",
+                     **kwargs) as omni:
             print(f"{mode}: pipeline up in {time.monotonic() - started:.0f} s", flush=True)
             run_level(omni, 1, 1, args)         # warm-up
             for c in levels:
-                results[(mode, c)] = r = run_level(omni, c, max(2, args.requests_per_level) * c, args)
+                results[(mode, c)] = r = run_level(omni, c, max(1, args.requests_per_level) * c, args)
                 print(f"  {mode} c={c}: {r}", flush=True)
             for stage, stats in omni.stats().items():
                 if stats is not None:

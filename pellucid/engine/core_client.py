@@ -3,7 +3,9 @@
 - `InprocClient`: the core in the caller's own thread; `get_outputs()` runs a step. LLM's default (nothing
   to hand over, nothing to copy) and the one to debug with.
 - `ThreadedClient`: the core in a background thread of the caller's process (AsyncLLM with
-  engine_process=False): simple to debug, but the engine shares the GIL with the frontend.
+  engine_process=False, pipeline stages in one process): simple to debug, but the engine shares the GIL
+  with the frontend. On CUDA the thread queues its work on a stream of its own, so several engines of
+  one process (a pipeline's stages) run their kernels side by side instead of in one queue.
 - `MPClient`: the core in its own process (core_proc.py), reached over ZMQ: the default of AsyncLLM and
   `pellucid serve`, and selectable for LLM. The frontend's per-token work and the engine's steps run
   on different interpreters.
@@ -15,6 +17,7 @@ later call raises EngineDeadError.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import queue
@@ -23,6 +26,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
+
+import torch
 
 from pellucid.config import EngineConfig
 from pellucid.engine.core_loop import EngineCoreLoop
@@ -333,12 +338,24 @@ class ThreadedClient(BackgroundClient):
 
     def _run(self) -> None:
         try:
-            EngineCoreLoop(self._core, self._inputs, self._receive).run()
+            with self._own_stream():
+                EngineCoreLoop(self._core, self._inputs, self._receive).run()
         except BaseException as exc:  # an engine-loop bug must not leave readers hanging
             logger.exception("the engine loop crashed")
             self._declare_dead(f"the engine loop crashed: {type(exc).__name__}: {exc}")
             return
         self._declare_dead("the engine was shut down")
+
+    def _own_stream(self) -> contextlib.AbstractContextManager:
+        """This thread's current CUDA stream: a new one on a CUDA engine. The runner queues everything on the
+        current stream and synchronizes on events, so its steps stay ordered; what another engine of this
+        process queues no longer waits behind them. (Chunks between pipeline stages go through host memory,
+        so no device tensor is shared between the streams.)"""
+        device = self._core.device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        torch.cuda.synchronize(device)      # the core's start-up work, queued on the builder's stream, is done
+        return torch.cuda.stream(torch.cuda.Stream(device))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._closing:

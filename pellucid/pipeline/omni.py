@@ -7,8 +7,11 @@ out = omni.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_
 out.text, out.audio, out.sample_rate       # str, float32 tensor, 24000
 ```
 
-By default the three engines run in this process, stepped in turn (`engine_process=True`: each in its own
-process, chunks through shared memory). `chunk_size` is the pipeline's chunk size on both edges ("all":
+By default the three engines run in this process, stepped in turn by `step()`. `stage_threads=True`: each
+engine in a thread of this process, stepping by itself; on CUDA each thread queues its kernels on a stream of
+its own, so the stages' small decode kernels run side by side in one CUDA context (the fastest way to share
+one GPU). `engine_process=True`: each in its own process, chunks through shared memory; the GPU then
+time-slices between the processes' contexts. `chunk_size` is the pipeline's chunk size on both edges ("all":
 stage after stage); `graph` declares the pipeline in full (pellucid.pipeline.graph). OmniLLM also steps
 like LLM: add_request / step / has_unfinished_requests / abort_request.
 """
@@ -45,19 +48,24 @@ class OmniOutput:
 
 class OmniLLM:
     def __init__(self, model: str, graph: PipelineGraph | None = None, *, chunk_size: int | str | None = None,
-                 connector: str | None = None, engine_process: bool = False, **engine_kwargs: Any) -> None:
+                 connector: str | None = None, engine_process: bool = False, stage_threads: bool = False,
+                 **engine_kwargs: Any) -> None:
+        if engine_process and stage_threads:
+            raise ValueError("engine_process=True and stage_threads=True exclude each other: a stage's engine runs "
+                             "either in its own process or in a thread of this one")
         graph = graph or qwen3_omni_graph()
         if chunk_size is not None:
             graph = graph.with_chunk_size(chunk_size)
         if connector is not None or engine_process:
             graph = graph.with_connector(connector or "shm")
-        self.pipeline = Pipeline(model, graph, engine_process=engine_process, **engine_kwargs)
+        self.pipeline = Pipeline(model, graph, engine_process=engine_process, asynchronous=stage_threads,
+                                 **engine_kwargs)
         self.tokenizer = self.pipeline.tokenizer
         self._counter = 0
         self._audio: dict[str, list[torch.Tensor]] = {}
         self._outputs: queue.Queue[tuple[str, Any]] | None = None
-        if engine_process:
-            # One reader per stage's engine process, all into one queue that step() takes from.
+        if engine_process or stage_threads:
+            # One reader per stage's engine (process or thread), all into one queue that step() takes from.
             self._outputs = queue.Queue()
             self._readers = [threading.Thread(target=self._read, args=(stage, client), daemon=True,
                                               name=f"pellucid-omni-{stage}")

@@ -101,7 +101,9 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
     that torch hands out during a capture are never recycled, so the cache needs no emptying here."""
     torch.cuda.synchronize()    # the capture stream starts after all queued work, as torch.cuda.graph does
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
+        # thread_local: engines of one process (a pipeline's stages, each in its thread) keep stepping while
+        # one of them captures mid-serving (a tracing tap variant); only this thread's calls are checked.
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             yield
         finally:

@@ -1,4 +1,5 @@
-"""The Qwen3-Omni pipeline on the GPU (each stage an engine process, chunks through shared memory) against
+"""The Qwen3-Omni pipeline on the GPU (each stage an engine process, chunks through shared memory; or each
+in a thread of one process, on a CUDA stream of its own) against
 the same pipeline on the CPU in one process: the same text tokens and talker codes, float32 tiny model,
 with the thinker's and talker's decode steps replaying CUDA graphs (the talker's code predictor its own);
 seeded sampling gives the same with graphs as eagerly; the code predictor's graphs equal its eager loop."""
@@ -18,14 +19,15 @@ CONVERSATIONS = [[{"role": "user", "content": "Hello there, how are you?"}],
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pipeline_on_gpu_matches_cpu(omni_dir) -> None:
+@pytest.mark.parametrize("home", ["engine_process", "stage_threads"])
+def test_pipeline_on_gpu_matches_cpu(omni_dir, home: str) -> None:
     text = SamplingParams(temperature=0, max_tokens=16)
     talker = SamplingParams(temperature=0, repetition_penalty=1.05, max_tokens=40)
     graph = qwen3_omni_graph(3, decode_chunk=8, left_context=4)
     kwargs = dict(dtype="float32", max_model_len=256)
     with OmniLLM(omni_dir, graph, device="cpu", **kwargs) as cpu:
         expected = cpu.chat(CONVERSATIONS, text, talker_params=talker)
-    with OmniLLM(omni_dir, graph, device="cuda", engine_process=True, num_kv_blocks=256, **kwargs) as gpu:
+    with OmniLLM(omni_dir, graph, device="cuda", num_kv_blocks=256, **{home: True}, **kwargs) as gpu:
         got = gpu.chat(CONVERSATIONS, text, talker_params=talker)
         _assert_graphs_replayed(gpu)
     for a, b in zip(got, expected):

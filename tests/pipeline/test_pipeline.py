@@ -89,6 +89,22 @@ def test_async_chunks_equal_stage_after_stage(omni_dir, reference, chunk_size: i
     assert all(t < o.metrics["latency"] for t, o in zip(first_audio, outputs.values()))
 
 
+def test_stages_in_threads_equal_stage_after_stage(omni_dir, reference) -> None:
+    """Each stage's engine in a thread of its own, stepping by itself (the GPU's way to share one device)."""
+    with make_omni(omni_dir, 2, first_chunk_size=1, stage_threads=True) as omni:
+        outputs = run(omni)
+        assert_everything_freed(omni)
+        threads = {type(client).__name__ for client in omni.pipeline.clients.values()}
+    assert threads == {"ThreadedClient"}
+    for rid, ref in reference.items():
+        assert_same(outputs[rid], ref)
+
+
+def test_stage_threads_and_engine_processes_exclude_each_other(omni_dir) -> None:
+    with pytest.raises(ValueError, match="exclude each other"):
+        OmniLLM(omni_dir, engine_process=True, stage_threads=True, device="cpu")
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_delayed_reordered_deliveries_give_identical_outputs(omni_dir, reference, seed: int) -> None:
     with make_omni(omni_dir, 1) as omni:
