@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 20 (the Qwen3-Omni speech pipeline) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue20.sh [SECTION ...]
-#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long bench_small
+#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long profile bench_small
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue20}
 TOTAL_S=${TOTAL_S:-570}
-SUMMARY_PATTERN='^\||^device|passed|failed|Error|PASSED|FAILED|pipeline up|replayed| c='
-SUMMARY_LINES=60
+SUMMARY_PATTERN='^\||^device|passed|failed|Error|PASSED|FAILED|pipeline up|replayed| c=|^profile|^  thread|^    '
+SUMMARY_LINES=90
 sections=${*:-tests bench}
 . "$(dirname "$0")/gpu_common.sh"
 
@@ -39,6 +39,10 @@ for s in $sections; do
     bench_long) run omni_bench_long 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 \
                   --requests-per-level 1 --text-tokens 200 --talker-frames 625 --chunk-size 5 --first-chunk-size 1 \
                   --first-decode-chunk 5 --stages threads ;;
+    # Where one request's GPU time goes, per stage (stages in threads: kernels attributed to the launching thread).
+    profile) run omni_profile 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --requests-per-level 1 \
+               --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
+               --stages threads --modes "async chunk" --profile ;;
     # A quicker pass if the full one runs out of time: fewer frames, two levels.
     bench_small) run omni_bench_small 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8 \
                    --text-tokens 100 --talker-frames 120 --stages threads ;;

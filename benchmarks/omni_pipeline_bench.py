@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -149,6 +150,48 @@ def run_level(omni: OmniLLM, concurrency: int, num_requests: int, args: argparse
             "audio_sps": sum(o.metrics["audio_seconds"] for o in done) / wall, "wall": wall}
 
 
+def profile_request(omni: OmniLLM, args: argparse.Namespace, top: int = 8) -> None:
+    """One request alone under torch.profiler: the wall time, how much of it the GPU was busy (the union of
+    kernel intervals), and per launching thread (a stage's engine; kernels of CUDA-graph replays count under
+    the thread that launched the graph) its kernel time and top kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    clients = omni.pipeline.clients
+    names = {getattr(getattr(c, "_thread", None), "native_id", None): stage for stage, c in clients.items()}
+    started = time.monotonic()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_level(omni, 1, 1, args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.monotonic() - started
+    launch_thread, kernels = {}, []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            if e.duration_ns() > 0 and "Memcpy" not in e.name() and "Memset" not in e.name():
+                kernels.append(e)
+        else:
+            launch_thread[e.correlation_id()] = e.start_thread_id()
+    busy, end = 0, 0
+    for start, stop in sorted((k.start_ns(), k.start_ns() + k.duration_ns()) for k in kernels):
+        busy += max(0, stop - max(start, end))
+        end = max(end, stop)
+    print(f"profile, one request alone: wall {wall:.3f} s, GPU busy {busy / 1e9:.3f} s "
+          f"({100 * busy / 1e9 / wall:.0f}%), kernel time {sum(k.duration_ns() for k in kernels) / 1e9:.3f} s", flush=True)
+    per_thread: dict = {}
+    for k in kernels:
+        tid = launch_thread.get(k.linked_correlation_id())
+        per_thread.setdefault(tid, {}).setdefault(k.name()[:90], [0, 0])
+        entry = per_thread[tid][k.name()[:90]]
+        entry[0] += 1
+        entry[1] += k.duration_ns()
+    for tid, by_name in sorted(per_thread.items(), key=lambda kv: -sum(v[1] for v in kv[1].values())):
+        total = sum(v[1] for v in by_name.values())
+        count = sum(v[0] for v in by_name.values())
+        print(f"  thread {tid} ({names.get(tid, '?')}): {count} kernels, {total / 1e9:.3f} s", flush=True)
+        for name, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"    {ns / 1e6:9.1f} ms {n:7d}x  {name}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=["full", "tiny"], default="full")
@@ -172,6 +215,11 @@ def main() -> int:
                         help="where the three engines run: threads of this process, each stepping by itself on a "
                              "CUDA stream of its own (one CUDA context); a process each (the GPU time-slices between "
                              "their contexts); or this thread, stepped in turn")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the async-chunk levels, one more request alone under torch.profiler: GPU busy "
+                             "time and each stage's kernels")
+    parser.add_argument("--modes", default="async chunk,stage after stage",
+                        help="which of the two modes to run (comma-separated)")
     parser.add_argument("--enforce-eager", action="store_true", help="every stage's steps eagerly (no CUDA graphs)")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="thinker and talker batch limit (CUDA graphs are captured up to it)")
@@ -202,7 +250,8 @@ def main() -> int:
           f"{args.first_chunk_size or args.chunk_size}, first window {args.first_decode_chunk or args.decode_chunk}; stages "
           f"{STAGE_HOMES[args.stages]}", flush=True)
     results: dict[tuple[str, int], dict] = {}
-    for mode, chunk in (("async chunk", args.chunk_size), ("stage after stage", "all")):
+    modes = [m for m in (("async chunk", args.chunk_size), ("stage after stage", "all")) if m[0] in args.modes.split(",")]
+    for mode, chunk in modes:
         graph = qwen3_omni_graph(chunk, connector="shm" if args.stages == "processes" else "inproc",
                                  decode_chunk=args.decode_chunk, left_context=args.left_context,
                                  first_chunk_size=args.first_chunk_size, first_decode_chunk=args.first_decode_chunk)
@@ -223,6 +272,15 @@ def main() -> int:
                     step_ms = 1000 * stats.step_seconds / max(stats.num_steps, 1)
                     print(f"  {mode} {stage}: {stats.num_steps} steps ({step_ms:.2f} ms each), {stats.num_graph_steps} "
                           f"replayed a CUDA graph; head paths {stats.lm_head_usage}", flush=True)
+            if args.profile and mode == "async chunk":
+                profile_request(omni, args)
+        # The next mode's pipeline is built in this process too (stages in threads): free this one's GPU memory first.
+        del omni
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if len(modes) < 2:
+        return 0
     print()
     print("| concurrency | figure | async chunk | stage after stage | async / stage-after-stage |")
     print("| --- | --- | --- | --- | --- |")
