@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 20 (the Qwen3-Omni speech pipeline) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue20.sh [SECTION ...]
-#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long profile bench_small
+#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long profile parts turns bench_small
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue20}
@@ -43,6 +43,12 @@ for s in $sections; do
     profile) run omni_profile 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --requests-per-level 1 \
                --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
                --stages threads --modes "async chunk" --profile ;;
+    # The per-frame parts alone: the code predictor (graphs and eager) and code2wav windows, kernels per call.
+    parts) run omni_parts 150 python3 benchmarks/omni_stage_bench.py ;;
+    # Each stage's own step time, with nothing beside it: the three engines in this thread, stepped in turn.
+    turns) run omni_turns 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --requests-per-level 1 \
+             --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
+             --stages turns --modes "async chunk" ;;
     # A quicker pass if the full one runs out of time: fewer frames, two levels.
     bench_small) run omni_bench_small 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8 \
                    --text-tokens 100 --talker-frames 120 --stages threads ;;
