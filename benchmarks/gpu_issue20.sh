@@ -30,8 +30,8 @@ for s in $sections; do
                    --stages processes ;;
     # The same with the three engines in threads of one process, a CUDA stream each (one CUDA context: their
     # kernels run side by side instead of the GPU time-slicing between three processes' contexts).
-    tests_threads) run omni_gpu_tests_threads 150 python3 -m pytest -q -rA -p no:cacheprovider -x \
-                     tests/gpu/test_omni_gpu.py -k stage_threads ;;
+    tests_threads) run omni_gpu_tests_threads 200 python3 -m pytest -q -rA -p no:cacheprovider -x \
+                     tests/gpu/test_omni_gpu.py -k "stage_threads or code_predictor" ;;
     bench_threads) run omni_bench_threads 400 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
                      --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
                      --stages threads ;;

@@ -43,14 +43,29 @@ def timed_ms(fn, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def kernels_per_call(fn) -> int:
+def call_kernels(fn) -> list:
+    """The CUDA kernels one call of fn launches (profiled after a warm-up call)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "Memcpy" not in e.name and "Memset" not in e.name)
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "Memcpy" not in e.name and "Memset" not in e.name]
+
+
+def kernels_per_call(fn) -> int:
+    return len(call_kernels(fn))
+
+
+def print_top_kernels(fn, top: int = 8) -> None:
+    by_name: dict[str, list[float]] = {}
+    for e in call_kernels(fn):
+        entry = by_name.setdefault(e.name[:100], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
+    for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"    {us / 1e3:8.3f} ms {n:5d}x  {name}", flush=True)
 
 
 def main() -> int:
@@ -64,13 +79,19 @@ def main() -> int:
     floors = measure_floors()
     print(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {floors.copy_bytes_per_s / 1e12:.2f} TB/s")
 
+    bench_code_predictor(model_dir, dtype, device, floors, [int(r) for r in args.rows.split(",")])
+    torch.cuda.empty_cache()
+    bench_code2wav(model_dir, dtype, device, args.windows.split(","))
+    return 0
+
+
+def bench_code_predictor(model_dir: str, dtype: torch.dtype, device: torch.device, floors, rows_list: list[int]) -> None:
     talker, _ = load_model(model_dir, dtype, device, max_model_len=4096, submodel="talker")
     predictor = talker.talker.code_predictor
     groups = predictor.num_code_groups - 1
     layer_bytes = sum(p.numel() * p.element_size() for p in predictor.model.layers.parameters())
     head_bytes = predictor.lm_head[0].weight.numel() * predictor.lm_head[0].weight.element_size()
     floor_ms = floors.bytes_time(groups * (layer_bytes + head_bytes)) * 1e3
-    rows_list = [int(r) for r in args.rows.split(",")]
     graphs = CodePredictorGraphs(predictor, rows_list, dtype, device)
     graphs.capture()
     hidden_size = int(predictor.config.hidden_size)
@@ -87,20 +108,31 @@ def main() -> int:
                     ms = timed_ms(call)
                     print(f"| code predictor | {rows} | {how}, {'sampling' if sampling else 'greedy'} | {ms:.3f} | "
                           f"{kernels_per_call(call)} | {floor_ms:.3f} | {ms / floor_ms:.1f}x |", flush=True)
-    del graphs, talker, predictor
-    torch.cuda.empty_cache()
+        print("the code predictor's top kernels, one graph replay of 1 row, sampling:")
+        hidden = torch.randn(1, hidden_size, device=device, dtype=dtype)
+        greedy = torch.zeros(1, dtype=torch.bool, device=device)
+        print_top_kernels(lambda: graphs.predict(hidden, hidden, greedy, {}), top=12)
 
+
+def bench_code2wav(model_dir: str, dtype: torch.dtype, device: torch.device, windows: list[str]) -> None:
     code2wav, _ = load_model(model_dir, dtype, device, submodel="code2wav")
     decoder = code2wav.code2wav
+    top_windows = []
     with torch.inference_mode():
-        for shape in args.windows.split(","):
+        for shape in windows:
             batch, frames = (int(v) for v in shape.split("x"))
             codes = torch.randint(0, decoder.codebook_size, (batch, decoder.num_quantizers, frames), device=device)
             call = lambda: decoder(codes)  # noqa: E731
-            ms = timed_ms(call, repeats=10)
-            print(f"| code2wav window | {batch} x {frames} frames | eager | {ms:.3f} | {kernels_per_call(call)} | - | - |",
-                  flush=True)
-    return 0
+            for tuned in (False, True):
+                with torch.backends.cudnn.flags(enabled=True, benchmark=tuned):
+                    ms = timed_ms(call, repeats=10)
+                    print(f"| code2wav window | {batch} x {frames} frames | eager{', cuDNN autotuned' if tuned else ''} | "
+                          f"{ms:.3f} | {kernels_per_call(call)} | - | - |", flush=True)
+            top_windows.append(call)
+    print("code2wav's top kernels, default cuDNN, one window of each shape:")
+    with torch.inference_mode():
+        for call in top_windows:
+            print_top_kernels(call)
 
 
 if __name__ == "__main__":

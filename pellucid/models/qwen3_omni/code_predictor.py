@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pellucid.models.layers import Linear
 from pellucid.models.qwen3_omni.dense import DenseStack, KVCache
 from pellucid.runner.sampler import HEAD_STREAM, apply_top_k_top_p, exponential_noise
 
@@ -32,7 +33,8 @@ class CodePredictorModel(DenseStack):
     """`talker.code_predictor.model`: layers, norm, and one codec embedding per predicted codebook."""
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__(config, qk_norm=True, sliding_window=None, layer_scale=False, dtype=dtype, device=device)
+        super().__init__(config, qk_norm=True, sliding_window=None, layer_scale=False, dtype=dtype, device=device,
+                         max_positions=int(config.num_code_groups))
         self.codec_embedding = nn.ModuleList(
             nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
             for _ in range(config.num_code_groups - 1))
@@ -46,8 +48,8 @@ class CodePredictor(nn.Module):
         self.config = config
         self.num_code_groups = int(config.num_code_groups)
         self.model = CodePredictorModel(config, dtype, device)
-        self.lm_head = nn.ModuleList(nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
-                                               device=device) for _ in range(self.num_code_groups - 1))
+        self.lm_head = nn.ModuleList(Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                                            device=device) for _ in range(self.num_code_groups - 1))
 
     def predict(self, hidden: torch.Tensor, first_code_embeds: torch.Tensor, greedy: torch.Tensor | None,
                 seeds: dict[int, int]) -> torch.Tensor:

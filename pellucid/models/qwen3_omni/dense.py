@@ -4,32 +4,29 @@ code2wav's pre-transformer (a window of frames, sliding-window attention, recomp
 
 Module names are transformers' (self_attn.q_proj, mlp.gate_proj, input_layernorm, ...); the math is its
 eager attention's in float32 (softmax over scaled scores plus the mask), via torch's SDPA.
+
+The code predictor runs 15 passes of its layers per frame, one position each, so on the GPU it is bound by
+kernel count, not bytes (BENCHMARKS.md, issue 20). Hence the layers use the engine's fused paths: one GEMM
+for q/k/v (`MergedLinear`), q/k norm and rotary in one in-place kernel over a cached cos/sin table, each
+residual add fused with the RMSNorm after it, grouped-query attention without repeating keys, and masks
+and positions made once per shape, not per call; 2-D [tokens, hidden] activations throughout, so
+decode-sized products take the skinny GEMMs. On the CPU each of these is the plain torch code.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from pellucid.models.layers import GatedMLP, RMSNorm, rope_inv_freq
+from pellucid.models.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm,
+                                    is_observed, merged_projections_enabled, qk_norm_rotary)
 
 
-def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] at integer positions [T], as transformers' default rotary computes them."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D] rotated by cos/sin [T, D]."""
-    return x * cos + _rotate_half(x) * sin
+# Shapes whose positions and masks a stack keeps (a code predictor's graphs need ~16 per row count).
+MAX_CACHED_SHAPES = 1024
 
 
 class KVCache:
@@ -41,6 +38,19 @@ class KVCache:
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0     # positions stored (every layer advances together; see DenseStack.forward)
+
+
+@dataclass(frozen=True)
+class DenseStep:
+    """What every layer of one DenseStack forward shares: the shape, the positions, the attention mask."""
+
+    batch: int
+    length: int                         # positions fed in this forward (per row)
+    start: int                          # positions already in the cache
+    positions: torch.Tensor             # [batch * length] on the device, row-major
+    rotary: RotaryEmbedding
+    mask: torch.Tensor | None           # [length, start + length] bool, or None (is_causal, or no mask at all)
+    is_causal: bool
 
 
 class DenseAttention(nn.Module):
@@ -57,45 +67,59 @@ class DenseAttention(nn.Module):
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.num_heads)
         bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **factory)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias, **factory)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias, **factory)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **factory)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **factory)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias, **factory)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if qk_norm else None
         self.sliding_window = sliding_window
+        self.qkv = MergedLinear([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+    def _apply(self, fn: Any, recurse: bool = True) -> "DenseAttention":
+        # `to`, `to_empty`, ... give each parameter its own new tensor: merge q/k/v again.
+        super()._apply(fn, recurse)
+        self.qkv.merge()
+        return self
+
+    def forward(self, x: torch.Tensor, step: DenseStep, cache: KVCache | None) -> torch.Tensor:
+        """x [batch * length, hidden] (row-major) -> [batch * length, hidden]."""
+        b, t = step.batch, step.length
+        if merged_projections_enabled() and not is_observed(self.q_proj, self.k_proj, self.v_proj):
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b * t, self.num_heads, self.head_dim)
+        k = k.view(b * t, self.num_kv_heads, self.head_dim)
+        v = v.view(b * t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        start = 0
+            q, k = qk_norm_rotary(step.positions, q, k, self.q_norm, self.k_norm, step.rotary)
+        else:
+            q, k = step.rotary(step.positions, q, k)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
-            start = cache.length
-            cache.keys[self.layer_idx][:, :, start:start + t] = k
-            cache.values[self.layer_idx][:, :, start:start + t] = v
-            k = cache.keys[self.layer_idx][:, :, :start + t]
-            v = cache.values[self.layer_idx][:, :, :start + t]
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        mask = self._mask(t, start, x.device)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+            end = step.start + t
+            cache.keys[self.layer_idx][:, :, step.start:end] = k
+            cache.values[self.layer_idx][:, :, step.start:end] = v
+            k = cache.keys[self.layer_idx][:, :, :end]
+            v = cache.values[self.layer_idx][:, :, :end]
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=step.mask, is_causal=step.is_causal, scale=self.head_dim ** -0.5,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim))
 
-    def _mask(self, t: int, start: int, device: torch.device) -> torch.Tensor:
-        """[t, start + t] bool: query i (position start + i) sees keys j <= start + i (within the window)."""
-        query = torch.arange(start, start + t, device=device)[:, None]
-        key = torch.arange(start + t, device=device)[None, :]
-        allowed = key <= query
-        if self.sliding_window is not None:
-            allowed &= key > query - self.sliding_window
-        return allowed
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, norm(residual + x)); with no residual yet, (x, norm(x)). One kernel on CUDA while the
+    norm is not observed."""
+    if residual is None:
+        return x, norm(x)
+    if is_observed(norm):
+        total = residual + x
+        return total, norm(total)
+    return add_rms_norm(x, residual, norm)
 
 
 class DenseDecoderLayer(nn.Module):
@@ -112,11 +136,19 @@ class DenseDecoderLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(config.hidden_size, **factory) if layer_scale else None
         self.mlp_layer_scale = LayerScale(config.hidden_size, **factory) if layer_scale else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        x = x + (self.self_attn_layer_scale(attn) if self.self_attn_layer_scale is not None else attn)
-        mlp = self.mlp(self.post_attention_layernorm(x))
-        return x + (self.mlp_layer_scale(mlp) if self.mlp_layer_scale is not None else mlp)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: DenseStep, cache: KVCache | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP branch, the residual stream before it): the caller adds the two, fused with the
+        next norm. x [tokens, hidden] is the previous layer's MLP branch (or the input, with residual None)."""
+        residual, h = _add_norm(x, residual, self.input_layernorm)
+        attn = self.self_attn(h, step, cache)
+        if self.self_attn_layer_scale is not None:
+            attn = self.self_attn_layer_scale(attn)
+        residual, h = _add_norm(attn, residual, self.post_attention_layernorm)
+        mlp = self.mlp(h)
+        if self.mlp_layer_scale is not None:
+            mlp = self.mlp_layer_scale(mlp)
+        return mlp, residual
 
 
 class LayerScale(nn.Module):
@@ -129,29 +161,57 @@ class LayerScale(nn.Module):
 
 
 class DenseStack(nn.Module):
-    """`layers` + `norm` + the rotary table: inputs_embeds [B, T, H] -> normed hidden [B, T, H]."""
+    """`layers` + `norm` + the rotary table: inputs_embeds [B, T, H] -> normed hidden [B, T, H].
+    `max_positions`: the longest sequence it serves (the rotary table's length)."""
 
     def __init__(self, config: Any, qk_norm: bool, sliding_window: int | None, layer_scale: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, max_positions: int | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(DenseDecoderLayer(config, i, qk_norm, sliding_window, layer_scale, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.inv_freq, _ = rope_inv_freq(config)       # CPU (the model is built on the meta device)
-        self._device_inv_freq: torch.Tensor | None = None
+        self.sliding_window = sliding_window
+        self.rotary = RotaryEmbedding(config, int(max_positions or config.max_position_embeddings), device)
+        # (batch, length, start, device) -> (positions, mask, is_causal): made once per shape, so a CUDA graph
+        # replays no kernel for them and an eager call launches none; the least recently used go first.
+        self._steps: OrderedDict[tuple[int, int, int, str], tuple[torch.Tensor, torch.Tensor | None, bool]] = \
+            OrderedDict()
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, hidden = x.shape
         start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + x.shape[1], device=x.device)
-        cos, sin = rotary_cos_sin(self._inv_freq_on(x.device), positions, x.dtype)
+        if start + t > self.rotary.max_positions:
+            raise ValueError(f"{start + t} positions exceed this stack's {self.rotary.max_positions} "
+                             "(max_position_embeddings)")
+        step = self._step(b, t, start, x.device)
+        out, residual = x.reshape(b * t, hidden), None
         for layer in self.layers:
-            x = layer(x, cos, sin, cache)
+            out, residual = layer(out, residual, step, cache)
         if cache is not None:
-            cache.length = start + x.shape[1]
-        return self.norm(x)
+            cache.length = start + t
+        return _add_norm(out, residual, self.norm)[1].view(b, t, hidden)
 
-    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        """The table on the inputs' device, copied once: a CUDA graph capture cannot copy from the host."""
-        if self._device_inv_freq is None or self._device_inv_freq.device != device:
-            self._device_inv_freq = self.inv_freq.to(device)
-        return self._device_inv_freq
+    def _step(self, b: int, t: int, start: int, device: torch.device) -> DenseStep:
+        key = (b, t, start, str(device))
+        made = self._steps.get(key)
+        if made is None:
+            positions = torch.arange(start, start + t, device=device).repeat(b)
+            query = torch.arange(start, start + t, device=device)[:, None]
+            keys = torch.arange(start + t, device=device)[None, :]
+            windowed = self.sliding_window is not None and start + t > self.sliding_window
+            if windowed:        # query i (position start + i) sees keys j in (start + i - window, start + i]
+                assert self.sliding_window is not None
+                made = (positions, (keys <= query) & (keys > query - self.sliding_window), False)
+            elif t == 1:        # one new position sees every cached one
+                made = (positions, None, False)
+            elif start == 0:
+                made = (positions, None, True)
+            else:
+                made = (positions, keys <= query, False)
+            self._steps[key] = made
+            if len(self._steps) > MAX_CACHED_SHAPES:
+                self._steps.popitem(last=False)
+        else:
+            self._steps.move_to_end(key)
+        positions, mask, causal = made
+        return DenseStep(b, t, start, positions, self.rotary, mask, causal)
