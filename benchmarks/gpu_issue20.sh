@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 20 (the Qwen3-Omni speech pipeline) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue20.sh [SECTION ...]
-#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long profile parts turns bench_small
+#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long bench_full kernels profile parts turns bench_small
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue20}
@@ -39,6 +39,11 @@ for s in $sections; do
     bench_long) run omni_bench_long 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 \
                   --requests-per-level 1 --text-tokens 200 --talker-frames 625 --chunk-size 5 --first-chunk-size 1 \
                   --first-decode-chunk 5 --stages threads ;;
+    # The issue's three levels with answers at the length it takes to say them (625 frames, 50 s of audio).
+    bench_full) run omni_bench_full 400 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
+                  --requests-per-level 1 --text-tokens 200 --talker-frames 625 --chunk-size 5 --first-chunk-size 1 \
+                  --first-decode-chunk 5 --stages threads ;;
+    kernels) run fused_kernels 120 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_fused_kernels.py ;;
     # Where one request's GPU time goes, per stage (stages in threads: kernels attributed to the launching thread).
     profile) run omni_profile 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --requests-per-level 1 \
                --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \

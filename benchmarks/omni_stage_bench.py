@@ -122,17 +122,22 @@ def bench_code2wav(model_dir: str, dtype: torch.dtype, device: torch.device, win
         for shape in windows:
             batch, frames = (int(v) for v in shape.split("x"))
             codes = torch.randint(0, decoder.codebook_size, (batch, decoder.num_quantizers, frames), device=device)
-            call = lambda: decoder(codes)  # noqa: E731
+            call = (lambda c: lambda: decoder(c))(codes)
             for tuned in (False, True):
                 with torch.backends.cudnn.flags(enabled=True, benchmark=tuned):
                     ms = timed_ms(call, repeats=10)
                     print(f"| code2wav window | {batch} x {frames} frames | eager{', cuDNN autotuned' if tuned else ''} | "
                           f"{ms:.3f} | {kernels_per_call(call)} | - | - |", flush=True)
             top_windows.append(call)
-    print("code2wav's top kernels, default cuDNN, one window of each shape:")
+    print("code2wav's top kernels and convolutions (device ms, input shapes), default cuDNN, the last window shape:")
     with torch.inference_mode():
-        for call in top_windows:
-            print_top_kernels(call)
+        print_top_kernels(top_windows[-1])
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            top_windows[-1]()
+            torch.cuda.synchronize()
+        rows = [e for e in prof.key_averages(group_by_input_shape=True) if "conv" in e.key]
+        for e in sorted(rows, key=lambda e: -e.device_time_total)[:8]:
+            print(f"    {e.device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key} {e.input_shapes[:2]}", flush=True)
 
 
 if __name__ == "__main__":

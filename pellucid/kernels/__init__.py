@@ -1,5 +1,5 @@
 """Fused Triton kernels for the GPU path (RMSNorm, rotary embedding, SiLU-and-mul, residual add +
-RMSNorm, Qwen3 q/k norm + rotary, skinny decode GEMMs).
+RMSNorm, Qwen3 q/k norm + rotary, skinny decode GEMMs, mixture-of-experts, code2wav's SnakeBeta).
 
 `pellucid.models.layers` calls them behind its plain torch functions when `fused_kernels_enabled`
 says so for the tensor's device; the CPU always runs the torch code. Set PELLUCID_FUSED_KERNELS=0 to
@@ -24,7 +24,7 @@ def _triton_available() -> bool:
 
 
 KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down",
-           "rotary_kv_store", "skinny_qkv_rotary", "skinny_gate_up_silu", "argmax", "moe")
+           "rotary_kv_store", "skinny_qkv_rotary", "skinny_gate_up_silu", "argmax", "moe", "snake_beta")
 # Each measured on an H100 (2026-11-23), Qwen3-0.6B shape, bf16, GPU time of one CUDA-graph decode
 # forward at batch 1 / 64 / 256 (pellucid bench latency, "graph forward ms"): none fused 3.98 / 4.90 ms;
 # rms_norm alone 2.52 / 3.15; rotary alone 3.18 / 4.04; silu_and_mul alone 3.94 / 4.85; all three
@@ -42,6 +42,7 @@ KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary
 # multi-program kernel (pellucid.kernels.argmax). Measured in BENCHMARKS.md, issue 4 round 7.
 # moe: mixture-of-experts routing and experts as fused Triton kernels (pellucid.kernels.fused_moe); without
 # it, CUDA runs every expert on every token (a debugging path; BENCHMARKS.md, issue 19).
+# snake_beta: Qwen3-Omni code2wav's activation in one pass instead of seven launches (BENCHMARKS.md, issue 20).
 DEFAULT_KERNELS = KERNELS
 
 

@@ -157,6 +157,11 @@ class OmniLLM:
     def shutdown(self) -> None:
         self._closing = True
         self.pipeline.shutdown()
+        # The readers end within their poll interval once closing; a reader left running while the
+        # interpreter exits aborts it ("terminate called without an active exception").
+        for reader in getattr(self, "_readers", []):
+            if reader is not threading.current_thread():
+                reader.join(timeout=5)
 
     def __enter__(self) -> "OmniLLM":
         return self

@@ -65,12 +65,33 @@ def check_rotary(device: str, dtype: torch.dtype, seed: int) -> None:
         assert_kv_stored(store, cache_before, k, f"rotary KV store {heads}/{kv_heads}x{head_dim} {dtype}")
 
 
+def check_snake_beta(device: str, dtype: torch.dtype, seed: int) -> None:
+    from pellucid.kernels.snake_beta import snake_beta
+    from pellucid.models.qwen3_omni.code2wav import SnakeBeta
+    g = torch.Generator().manual_seed(seed)
+    # A strided input too: code2wav trims its transposed convolutions' outputs along L.
+    for shape, trim in [((2, 5, 300), 0), ((1, 3, 2100), 7), ((3, 16, 33), 2)]:
+        module = SnakeBeta(shape[1], dtype=dtype, device="cpu")
+        with torch.no_grad():
+            module.alpha.copy_(0.5 * torch.randn(shape[1], generator=g))
+            module.beta.copy_(0.5 * torch.randn(shape[1], generator=g))
+        module = module.to(device)
+        full = (torch.randn(shape[0], shape[1], shape[2] + 2 * trim, generator=g) * 4).to(dtype).to(device)
+        x = full[..., trim:full.shape[-1] - trim]
+        with torch.no_grad():     # the module's torch code, on any device
+            alpha = torch.exp(module.alpha)[None, :, None]
+            beta = torch.exp(module.beta)[None, :, None]
+            ref = x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+            assert_close(snake_beta(x, module.alpha, module.beta), ref, dtype, f"snake_beta {shape} trim {trim} {dtype}")
+
+
 def run_all(device: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for seed in range(3):
             check_rms_norm(device, dtype, seed)
             check_silu_and_mul(device, dtype, seed)
             check_rotary(device, dtype, seed)
+            check_snake_beta(device, dtype, seed)
 
 
 if __name__ == "__main__":

@@ -107,3 +107,24 @@ def test_thinker_as_llm_traces_and_extracts_at_hf_paths(omni_dir, hf_model, tmp_
     item = next(iter(HiddenStatesDataset(str(tmp_path))))
     assert relative_error(item["hidden_states"][:, 0], hidden[1][0]) <= TOLERANCE
     assert relative_error(item["hidden_states"][:, 1], hidden[-1][0]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_code_predictor_draw_equals_the_samplers(seed) -> None:
+    """The code predictor's top-k/top-p race over the TOP_K largest logits draws what the engine sampler's
+    own steps draw over the whole vocabulary (apply_top_k_top_p, softmax, argmax of probs / noise)."""
+    from pellucid.models.qwen3_omni.code_predictor import TOP_K, TOP_P, top_k_top_p_race
+    from pellucid.runner.sampler import apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 64, 2048
+    # Sharp and flat rows: top-p keeps one token in some, all TOP_K in others.
+    logits = torch.randn(rows, vocab, generator=g) * torch.linspace(0.2, 12, rows)[:, None]
+    noise = torch.empty(rows, vocab).exponential_(generator=g)
+    top_k = torch.full((rows,), TOP_K)
+    top_p = torch.full((rows,), TOP_P, dtype=torch.float32)
+    expected = apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1).div(noise).argmax(dim=-1)
+    got = top_k_top_p_race(logits, noise)
+    assert got.tolist() == expected.tolist()
+    assert len(set(got.tolist())) > rows // 2          # the draws differ between rows (not all argmax)
+    assert got.tolist() != logits.argmax(dim=-1).tolist()

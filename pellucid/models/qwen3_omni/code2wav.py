@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.qwen3_omni.configs import OmniConfig
 from pellucid.models.qwen3_omni.dense import DenseStack
 
@@ -71,6 +72,9 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_kernels_enabled(x, "snake_beta"):
+            from pellucid.kernels.snake_beta import snake_beta
+            return snake_beta(x, self.alpha, self.beta)
         alpha = torch.exp(self.alpha)[None, :, None]
         beta = torch.exp(self.beta)[None, :, None]
         return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
