@@ -100,6 +100,29 @@ def test_stages_in_threads_equal_stage_after_stage(omni_dir, reference) -> None:
         assert_same(outputs[rid], ref)
 
 
+def test_stages_in_threads_keep_requests_independent(omni_dir, reference) -> None:
+    """With each engine in its own thread: a lost chunk fails its request only, an abort mid-utterance
+    ends that request in every stage, and the third request is untouched; everything is freed."""
+    with make_omni(omni_dir, 1, stage_threads=True) as omni:
+        install(omni.pipeline, lambda real: LosingConnector(real, {ChunkKey("r1", "thinker", "talker", 2)}))
+        prompts = [apply_chat_template(omni.tokenizer, c) for c in CONVERSATIONS]
+        for i, (prompt, voice) in enumerate(zip(prompts, VOICES)):
+            omni.add_request(f"r{i}", prompt, TEXT, AudioRequest(voice, TALKER))
+        done: dict[str, OmniOutput] = {}
+        aborted = False
+        while omni.has_unfinished_requests():
+            for out in omni.step():
+                done[out.request_id] = out
+            # r0 is cut off once it has spoken (its audio so far is held in OmniLLM until it ends)
+            if not aborted and omni._audio.get("r0"):
+                omni.abort_request("r0")
+                aborted = True
+        assert_everything_freed(omni)
+    assert aborted and done["r0"].error is None and 0 < len(done["r0"].audio) < len(reference["r0"].audio)
+    assert done["r1"].error is not None and "chunk 2" in done["r1"].error, done["r1"].error
+    assert_same(done["r2"], reference["r2"])
+
+
 def test_stage_threads_and_engine_processes_exclude_each_other(omni_dir) -> None:
     with pytest.raises(ValueError, match="exclude each other"):
         OmniLLM(omni_dir, engine_process=True, stage_threads=True, device="cpu")
