@@ -150,46 +150,34 @@ def run_level(omni: OmniLLM, concurrency: int, num_requests: int, args: argparse
             "audio_sps": sum(o.metrics["audio_seconds"] for o in done) / wall, "wall": wall}
 
 
-def profile_request(omni: OmniLLM, args: argparse.Namespace, top: int = 8) -> None:
-    """One request alone under torch.profiler: the wall time, how much of it the GPU was busy (the union of
-    kernel intervals), and per launching thread (a stage's engine; kernels of CUDA-graph replays count under
-    the thread that launched the graph) its kernel time and top kernels by time."""
+def profile_request(omni: OmniLLM, args: argparse.Namespace, top: int = 12) -> None:
+    """One request alone under torch.profiler (CUDA kernels only): the wall time, how much of it the GPU was
+    busy (the union of kernel intervals; kernels of the stages' streams overlap, and PDL kernels include
+    their wait, so the summed kernel time can exceed it), and the top kernels by summed time."""
     from torch.profiler import ProfilerActivity, profile
 
-    clients = omni.pipeline.clients
-    names = {getattr(getattr(c, "_thread", None), "native_id", None): stage for stage, c in clients.items()}
     started = time.monotonic()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_level(omni, 1, 1, args)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     wall = time.monotonic() - started
-    launch_thread, kernels = {}, []
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type() == torch.autograd.DeviceType.CUDA:
-            if e.duration_ns() > 0 and "Memcpy" not in e.name() and "Memset" not in e.name():
-                kernels.append(e)
-        else:
-            launch_thread[e.correlation_id()] = e.start_thread_id()
+    kernels = [e for e in prof.profiler.kineto_results.events()
+               if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+               and "Memcpy" not in e.name() and "Memset" not in e.name()]
     busy, end = 0, 0
     for start, stop in sorted((k.start_ns(), k.start_ns() + k.duration_ns()) for k in kernels):
         busy += max(0, stop - max(start, end))
         end = max(end, stop)
     print(f"profile, one request alone: wall {wall:.3f} s, GPU busy {busy / 1e9:.3f} s "
           f"({100 * busy / 1e9 / wall:.0f}%), kernel time {sum(k.duration_ns() for k in kernels) / 1e9:.3f} s", flush=True)
-    per_thread: dict = {}
+    by_name: dict = {}
     for k in kernels:
-        tid = launch_thread.get(k.linked_correlation_id())
-        per_thread.setdefault(tid, {}).setdefault(k.name()[:90], [0, 0])
-        entry = per_thread[tid][k.name()[:90]]
+        entry = by_name.setdefault(k.name()[:90], [0, 0])
         entry[0] += 1
         entry[1] += k.duration_ns()
-    for tid, by_name in sorted(per_thread.items(), key=lambda kv: -sum(v[1] for v in kv[1].values())):
-        total = sum(v[1] for v in by_name.values())
-        count = sum(v[0] for v in by_name.values())
-        print(f"  thread {tid} ({names.get(tid, '?')}): {count} kernels, {total / 1e9:.3f} s", flush=True)
-        for name, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
-            print(f"    {ns / 1e6:9.1f} ms {n:7d}x  {name}", flush=True)
+    for name, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"    {ns / 1e6:9.1f} ms {n:7d}x  {name}", flush=True)
 
 
 def main() -> int:
@@ -217,13 +205,15 @@ def main() -> int:
                              "their contexts); or this thread, stepped in turn")
     parser.add_argument("--profile", action="store_true",
                         help="after the async-chunk levels, one more request alone under torch.profiler: GPU busy "
-                             "time and each stage's kernels")
+                             "time and the top kernels")
     parser.add_argument("--modes", default="async chunk,stage after stage",
                         help="which of the two modes to run (comma-separated)")
     parser.add_argument("--enforce-eager", action="store_true", help="every stage's steps eagerly (no CUDA graphs)")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="thinker and talker batch limit (CUDA graphs are captured up to it)")
     args = parser.parse_args()
+    if args.profile and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        parser.error("--profile times GPU kernels: it needs --device cuda on a machine with CUDA")
 
     work = tempfile.mkdtemp(prefix="omni-bench-")
     kwargs: dict = dict(device=args.device, enforce_eager=args.enforce_eager, max_model_len=4096,

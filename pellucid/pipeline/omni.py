@@ -9,9 +9,9 @@ out.text, out.audio, out.sample_rate       # str, float32 tensor, 24000
 
 By default the three engines run in this process, stepped in turn by `step()`. `stage_threads=True`: each
 engine in a thread of this process, stepping by itself; on CUDA each thread queues its kernels on a stream of
-its own, so the stages' small decode kernels run side by side in one CUDA context (the fastest way to share
-one GPU). `engine_process=True`: each in its own process, chunks through shared memory; the GPU then
-time-slices between the processes' contexts. `chunk_size` is the pipeline's chunk size on both edges ("all":
+its own, so the stages' small decode kernels can run side by side in one CUDA context. `engine_process=True`:
+each in its own process, chunks through shared memory; the GPU then time-slices between the processes'
+contexts (docs/pipelines.md). `chunk_size` is the pipeline's chunk size on both edges ("all":
 stage after stage); `graph` declares the pipeline in full (pellucid.pipeline.graph). OmniLLM also steps
 like LLM: add_request / step / has_unfinished_requests / abort_request.
 """
