@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 20 (the Qwen3-Omni speech pipeline) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue20.sh [SECTION ...]
-#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long bench_full kernels profile parts turns bench_small
+#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long bench_full bench_full_processes kernels profile parts turns bench_small
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue20}
@@ -43,6 +43,10 @@ for s in $sections; do
     bench_full) run omni_bench_full 400 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
                   --requests-per-level 1 --text-tokens 200 --talker-frames 625 --chunk-size 5 --first-chunk-size 1 \
                   --first-decode-chunk 5 --stages threads ;;
+    # The same with each stage in its own process (not measured since the code predictor's rework).
+    bench_full_processes) run omni_bench_full_processes 400 python3 benchmarks/omni_pipeline_bench.py \
+                            --concurrency 1,8,32 --requests-per-level 1 --text-tokens 200 --talker-frames 625 \
+                            --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 --stages processes ;;
     kernels) run fused_kernels 120 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_fused_kernels.py ;;
     # Where one request's GPU time goes: GPU busy time against wall, and the top kernels.
     profile) run omni_profile 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --requests-per-level 1 \
