@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 
@@ -24,23 +23,9 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from omni_pipeline_bench import build_full  # noqa: E402
-from pellucid.bench.floors import measure_floors  # noqa: E402
+from pellucid.bench.floors import measure_floors, median_ms  # noqa: E402
 from pellucid.models.loader import load_model  # noqa: E402
 from pellucid.models.qwen3_omni.code_predictor_graphs import CodePredictorGraphs  # noqa: E402
-
-
-def timed_ms(fn, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def call_kernels(fn) -> list:
@@ -105,7 +90,7 @@ def bench_code_predictor(model_dir: str, dtype: torch.dtype, device: torch.devic
                 greedy = torch.zeros(rows, dtype=torch.bool, device=device) if sampling else None
                 for how, call in (("graph", lambda: graphs.predict(hidden, first, greedy, {})),
                                   ("eager", lambda: predictor.predict(hidden, first, greedy, {}))):
-                    ms = timed_ms(call)
+                    ms = median_ms(call, 30)
                     print(f"| code predictor | {rows} | {how}, {'sampling' if sampling else 'greedy'} | {ms:.3f} | "
                           f"{kernels_per_call(call)} | {floor_ms:.3f} | {ms / floor_ms:.1f}x |", flush=True)
         print("the code predictor's top kernels, one graph replay of 1 row, sampling:")
@@ -125,7 +110,7 @@ def bench_code2wav(model_dir: str, dtype: torch.dtype, device: torch.device, win
             call = (lambda c: lambda: decoder(c))(codes)
             for tuned in (False, True):
                 with torch.backends.cudnn.flags(enabled=True, benchmark=tuned):
-                    ms = timed_ms(call, repeats=10)
+                    ms = median_ms(call, 10)
                     print(f"| code2wav window | {batch} x {frames} frames | eager{', cuDNN autotuned' if tuned else ''} | "
                           f"{ms:.3f} | {kernels_per_call(call)} | - | - |", flush=True)
             top_windows.append(call)

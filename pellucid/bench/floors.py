@@ -24,7 +24,8 @@ class Floors:
         return flops / self.matmul_flops_per_s
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
+    """Median CUDA-event milliseconds of `repeats` calls of fn, after 3 warm-up calls."""
     for _ in range(3):
         fn()
     times = []
@@ -44,11 +45,11 @@ def measure_floors(copy_gib: float = 2.0, matmul_n: int = 8192) -> Floors:
     n = int(copy_gib * 2**30) // 2
     src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    copy_ms = _median_ms(lambda: dst.copy_(src), 10)
+    copy_ms = median_ms(lambda: dst.copy_(src), 10)
     del src, dst
     a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
-    mm_ms = _median_ms(lambda: a @ b, 10)
+    mm_ms = median_ms(lambda: a @ b, 10)
     del a, b
     torch.cuda.empty_cache()
     return Floors(device_name=torch.cuda.get_device_name(),
