@@ -3,9 +3,10 @@
     python benchmarks/omni_pipeline_bench.py                       # GPU: random weights at Qwen3-Omni-30B-A3B shapes
     python benchmarks/omni_pipeline_bench.py --shape tiny --device cpu --concurrency 1,2 --talker-frames 24
 
-Each stage is an engine in its own process on the same device (chunks through shared memory). For each
-concurrency, `--requests-per-level` x concurrency requests (at least 2 x concurrency) run with that many in
-flight: a chat prompt, a 200-token answer (`--text-tokens`, EOS ignored: random weights), spoken in
+The three stages share the device: by default each in a thread of this process on a CUDA stream of its own
+(`--stages processes`: a process each, chunks through shared memory; `turns`: stepped in turn by this
+thread). Every level is first warmed up in each mode with short answers. For each concurrency,
+`--requests-per-level` x concurrency requests run with that many in flight: a chat prompt, a 200-token answer (`--text-tokens`, EOS ignored: random weights), spoken in
 `--talker-frames` frames (EOS banned until then; 12.5 frames per second of audio). The default, 625 frames
 (50 s), is how long a 200-token answer takes to say: speech runs at about 3-4 text tokens a second, and the
 talker takes one thinker row per frame while the text lasts, so it can never speak 200 tokens in fewer than
