@@ -55,10 +55,10 @@ class DenseStep:
 
 class DenseAttention(nn.Module):
     """`self_attn`: q/k/v projections, optional per-head q/k RMSNorm (Qwen3), rotary, causal attention over
-    the cache (optionally within a sliding window), o_proj."""
+    the cache (within the stack's sliding window, if any: the step's mask), o_proj."""
 
-    def __init__(self, config: Any, layer_idx: int, qk_norm: bool, sliding_window: int | None,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, layer_idx: int, qk_norm: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         hidden = config.hidden_size
@@ -73,7 +73,6 @@ class DenseAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias, **factory)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory) if qk_norm else None
-        self.sliding_window = sliding_window
         self.qkv = MergedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def _apply(self, fn: Any, recurse: bool = True) -> "DenseAttention":
@@ -125,12 +124,12 @@ def _add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> 
 class DenseDecoderLayer(nn.Module):
     """Pre-norm decoder layer; `layer_scale`: code2wav scales each branch's output by a learnt vector."""
 
-    def __init__(self, config: Any, layer_idx: int, qk_norm: bool, sliding_window: int | None, layer_scale: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, layer_idx: int, qk_norm: bool, layer_scale: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = DenseAttention(config, layer_idx, qk_norm, sliding_window, **factory)
+        self.self_attn = DenseAttention(config, layer_idx, qk_norm, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, **factory)
         self.self_attn_layer_scale = LayerScale(config.hidden_size, **factory) if layer_scale else None
@@ -167,7 +166,7 @@ class DenseStack(nn.Module):
     def __init__(self, config: Any, qk_norm: bool, sliding_window: int | None, layer_scale: bool,
                  dtype: torch.dtype, device: torch.device | str, max_positions: int | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DenseDecoderLayer(config, i, qk_norm, sliding_window, layer_scale, dtype, device)
+        self.layers = nn.ModuleList(DenseDecoderLayer(config, i, qk_norm, layer_scale, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.sliding_window = sliding_window
