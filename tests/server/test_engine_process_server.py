@@ -3,6 +3,7 @@ leaving, and bad input refused before anything reaches the engine."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -53,21 +54,26 @@ def test_64_streams_with_random_disconnects(server, reference_llm, seed):
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as http:
             return await asyncio.gather(*(one(http, i) for i in range(64)))
 
-    results = asyncio.run(run())
+    # The server and this client share the test process, which holds what the whole suite left on its heap.
+    # Its full garbage collections stall the frontend long enough for the engine process to finish requests
+    # before their clients' disconnects reach it: four full CI runs failed this test so (alone it never did),
+    # and with the heap frozen, so that collections no longer scan it, a full run passed.
+    gc.collect()
+    gc.freeze()
+    try:
+        results = asyncio.run(run())
+    finally:
+        gc.unfreeze()
     for i, (text, finish, _) in enumerate(results):
         if i not in leave_after:
             assert (text, finish) == (refs[i].outputs[0].text, "length"), i
-    # A client that leaves mid-stream gets its request aborted, unless the engine finished it first, and nothing
-    # leaks. Both happen: a tiny random model samples many byte tokens that spell no text alone, so a request may
-    # reach its end within the chunks a client reads before leaving; and the engine process runs ahead of a
-    # busy frontend, whose chunks then carry many tokens each. Alone this test sees every client that left
-    # aborted; inside the full suite on two cores, runs saw 8 of 20 clients leave mid-stream, and 4 aborts for
-    # 16 that left. So: some clients left mid-stream, some requests were aborted, never more than left.
+    # Every request whose client left before its end was aborted, and nothing leaks. (A tiny random model
+    # samples many byte tokens that spell no text alone, so a request may reach its end within the chunks a
+    # client reads before leaving: that one finished, and was not aborted.)
     left = [i for i in leave_after if results[i][1] is None]
-    assert all(results[i][2] == leave_after[i] for i in left) and left
+    assert all(results[i][2] == leave_after[i] for i in left) and len(left) >= len(leave_after) // 2
     wait_until(lambda: _engine_idle(server), timeout=30)
-    aborted = server.llm.get_stats().num_aborted - aborted_before
-    assert 1 <= aborted <= len(left), (aborted, len(left))
+    assert server.llm.get_stats().num_aborted - aborted_before == len(left)
     assert server.metric("pellucid:kv_cache_used_blocks") == 0
 
 
