@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 20 (the Qwen3-Omni speech pipeline) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue20.sh [SECTION ...]
-#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long bench_full bench_full_processes kernels profile parts turns bench_small
+#   sections: tests tests_threads bench bench_eager bench_first bench_threads bench_long bench_full bench_full_processes bench_c1_processes kernels checks profile parts parts_before turns host bench_small
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 set -u
 OUT=${OUT:-/tmp/gpu_issue20}
@@ -47,17 +47,33 @@ for s in $sections; do
     bench_full_processes) run omni_bench_full_processes 400 python3 benchmarks/omni_pipeline_bench.py \
                             --concurrency 1,8,32 --requests-per-level 1 --text-tokens 200 --talker-frames 625 \
                             --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 --stages processes ;;
+    # RTF's spread at concurrency 1: three requests one after the other, async chunk, a process per stage.
+    bench_c1_processes) run omni_bench_c1_processes 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 \
+                          --requests-per-level 3 --text-tokens 200 --talker-frames 625 --chunk-size 5 --first-chunk-size 1 \
+                          --first-decode-chunk 5 --stages processes --modes "async chunk" ;;
     kernels) run fused_kernels 120 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_fused_kernels.py ;;
     # Where one request's GPU time goes: GPU busy time against wall, and the top kernels.
     profile) run omni_profile 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --requests-per-level 1 \
-               --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
+               --text-tokens 200 --talker-frames 250 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
                --stages threads --modes "async chunk" --profile ;;
     # The per-frame parts alone: the code predictor (graphs and eager) and code2wav windows, kernels per call.
     parts) run omni_parts 150 python3 benchmarks/omni_stage_bench.py ;;
+    # The same without the code predictor's one-launch draw and fused K/V store (the tree before them).
+    parts_before) PELLUCID_FUSED_KERNELS=$(python3 -c "from pellucid.kernels import KERNELS; \
+                    print(','.join(k for k in KERNELS if k not in ('top_k_race', 'rotary_kv_store')))") \
+                    run omni_parts_before 150 python3 benchmarks/omni_stage_bench.py ;;
+    checks) run kernel_checks 200 python3 tests/gpu/kernel_checks.py cuda ;;
     # Each stage's own step time, with nothing beside it: the three engines in this thread, stepped in turn.
     turns) run omni_turns 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --requests-per-level 1 \
              --text-tokens 200 --talker-frames 100 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
              --stages turns --modes "async chunk" ;;
+    # Where the host time of each stage's step goes: the `turns` run (every stage in this thread) under cProfile,
+    # saved to $OUT/omni_turns.prof and summarised (own time, then cumulative).
+    host) run omni_host 200 python3 -m cProfile -o "$OUT/omni_turns.prof" benchmarks/omni_pipeline_bench.py \
+            --concurrency 1 --requests-per-level 1 --text-tokens 200 --talker-frames 250 --chunk-size 5 \
+            --first-chunk-size 1 --first-decode-chunk 5 --stages turns --modes "async chunk"
+          python3 -c "import pstats, sys; p = pstats.Stats(sys.argv[1]); p.sort_stats('tottime').print_stats(45); \
+            p.sort_stats('cumulative').print_stats(90)" "$OUT/omni_turns.prof" > "$OUT/omni_host_stats.txt" 2>&1 ;;
     # A quicker pass if the full one runs out of time: fewer frames, two levels.
     bench_small) run omni_bench_small 300 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8 \
                    --text-tokens 100 --talker-frames 120 --stages threads ;;

@@ -3,9 +3,9 @@
     python benchmarks/omni_pipeline_bench.py                       # GPU: random weights at Qwen3-Omni-30B-A3B shapes
     python benchmarks/omni_pipeline_bench.py --shape tiny --device cpu --concurrency 1,2 --talker-frames 24
 
-The three stages share the device: by default each in a thread of this process on a CUDA stream of its own
-(`--stages processes`: a process each, chunks through shared memory; `turns`: stepped in turn by this
-thread). Every level is first warmed up in each mode with short answers. For each concurrency,
+The three stages share the device: by default each in a process of its own, chunks through shared memory, as
+the issue and the server run them (`--stages threads`: each in a thread of this process on a CUDA stream of
+its own; `turns`: stepped in turn by this thread). Every level is first warmed up in each mode with short answers. For each concurrency,
 `--requests-per-level` x concurrency requests run with that many in flight: a chat prompt, a 200-token answer (`--text-tokens`, EOS ignored: random weights), spoken in
 `--talker-frames` frames (EOS banned until then; 12.5 frames per second of audio). The default, 625 frames
 (50 s), is how long a 200-token answer takes to say: speech runs at about 3-4 text tokens a second, and the
@@ -14,7 +14,7 @@ talker takes one thinker row per frame while the text lasts, so it can never spe
 speech, bound each request's latency. Reported, median over requests:
 time to the first text token (TTFT), time to the first audio packet (TTFP), real-time factor (request
 latency / audio duration), and output text tokens/s and audio seconds/s over the level's wall time; the
-last column is async chunk / stage after stage.
+last column is async chunk / stage after stage. Each level's line also gives the largest RTF of its requests.
 
 Shapes: `full` is Qwen3-Omni-30B-A3B-Instruct's (thinker 48 layers, 128 experts, top 8, hidden 2048; talker
 20 layers, 128 experts, hidden 1024, 16 codebooks; code2wav 8 layers); bf16 weights about 68 GB, so on a
@@ -147,16 +147,28 @@ def run_level(omni: OmniLLM, concurrency: int, num_requests: int, args: argparse
     wall = time.monotonic() - start
     med = lambda key: statistics.median(o.metrics[key] for o in done)  # noqa: E731
     return {"ttft": med("time_to_first_token"), "ttfp": med("time_to_first_audio"), "rtf": med("real_time_factor"),
+            "rtf_max": max(o.metrics["real_time_factor"] for o in done),
             "text_tps": sum(len(o.token_ids) for o in done) / wall,
             "audio_sps": sum(o.metrics["audio_seconds"] for o in done) / wall, "wall": wall}
+
+
+def _busy_ns(intervals: list[tuple[int, int]]) -> int:
+    """Length of the union of [start, stop) intervals."""
+    busy, end = 0, 0
+    for start, stop in sorted(intervals):
+        busy += max(0, stop - max(start, end))
+        end = max(end, stop)
+    return busy
 
 
 def profile_request(omni: OmniLLM, args: argparse.Namespace, top: int = 12) -> None:
     """One request alone under torch.profiler (CUDA kernels only): the wall time, how much of it the GPU was
     busy (the union of kernel intervals; kernels of the stages' streams overlap, and PDL kernels include
-    their wait, so the summed kernel time can exceed it), and the top kernels by summed time."""
+    their wait, so the summed kernel time can exceed it), the same per CUDA stream (with threads, a stage
+    each), each stage's steps and their mean wall time over the request, and the top kernels by summed time."""
     from torch.profiler import ProfilerActivity, profile
 
+    before = {stage: stats for stage, stats in omni.stats().items() if stats is not None}
     started = time.monotonic()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_level(omni, 1, 1, args)
@@ -166,12 +178,25 @@ def profile_request(omni: OmniLLM, args: argparse.Namespace, top: int = 12) -> N
     kernels = [e for e in prof.profiler.kineto_results.events()
                if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
                and "Memcpy" not in e.name() and "Memset" not in e.name()]
-    busy, end = 0, 0
-    for start, stop in sorted((k.start_ns(), k.start_ns() + k.duration_ns()) for k in kernels):
-        busy += max(0, stop - max(start, end))
-        end = max(end, stop)
+    busy = _busy_ns([(k.start_ns(), k.start_ns() + k.duration_ns()) for k in kernels])
     print(f"profile, one request alone: wall {wall:.3f} s, GPU busy {busy / 1e9:.3f} s "
           f"({100 * busy / 1e9 / wall:.0f}%), kernel time {sum(k.duration_ns() for k in kernels) / 1e9:.3f} s", flush=True)
+    by_stream: dict = {}
+    for k in kernels:
+        by_stream.setdefault(k.device_resource_id(), []).append(k)
+    for stream, ks in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
+        names: dict = {}
+        for k in ks:
+            names[k.name()[:60]] = names.get(k.name()[:60], 0) + k.duration_ns()
+        top_name = max(names, key=names.get)
+        stream_busy = _busy_ns([(k.start_ns(), k.start_ns() + k.duration_ns()) for k in ks])
+        print(f"    stream {stream}: busy {stream_busy / 1e9:.3f} s, {len(ks)} kernels; top: {top_name}", flush=True)
+    for stage, stats in omni.stats().items():
+        if stage in before:
+            steps = stats.num_steps - before[stage].num_steps
+            seconds = stats.step_seconds - before[stage].step_seconds
+            print(f"    {stage}: {steps} steps, {seconds:.3f} s in steps ({1000 * seconds / max(steps, 1):.2f} ms "
+                  f"each)", flush=True)
     by_name: dict = {}
     for k in kernels:
         entry = by_name.setdefault(k.name()[:90], [0, 0])
@@ -200,10 +225,10 @@ def main() -> int:
     parser.add_argument("--first-decode-chunk", type=int, default=None,
                         help="async chunk: frames of code2wav's first window, and of the talker -> code2wav edge's "
                              "first chunk (default: --decode-chunk and --chunk-size)")
-    parser.add_argument("--stages", choices=["threads", "processes", "turns"], default="threads",
-                        help="where the three engines run: threads of this process, each stepping by itself on a "
-                             "CUDA stream of its own (one CUDA context); a process each (the GPU time-slices between "
-                             "their contexts); or this thread, stepped in turn")
+    parser.add_argument("--stages", choices=["threads", "processes", "turns"], default="processes",
+                        help="where the three engines run: a process each (the GPU time-slices between their "
+                             "contexts); threads of this process, each stepping by itself on a CUDA stream of its "
+                             "own (one CUDA context); or this thread, stepped in turn")
     parser.add_argument("--profile", action="store_true",
                         help="after the async-chunk levels, one more request alone under torch.profiler: GPU busy "
                              "time and the top kernels")

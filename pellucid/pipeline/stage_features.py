@@ -33,6 +33,7 @@ from pellucid.logger import get_logger
 from pellucid.pipeline.chunks import ChunkReceiver, ChunkSender
 from pellucid.pipeline.connectors import ChunkKey, ConnectorSpec, Notice, open_connector
 from pellucid.runner.cuda_graphs import require_eager_for_extras_key
+from pellucid.runner.sampler import host_to_device
 from pellucid.runner.step_hooks import StepHook
 
 logger = get_logger(__name__)
@@ -180,8 +181,9 @@ class _OutputHook(StepHook):
             for i, request in wanted:
                 first = so.num_computed_tokens[i]
                 pieces.append((request, first, slice(starts[i], starts[i] + so.num_scheduled_tokens[i])))
-        rows = torch.cat([torch.arange(p[2].start, p[2].stop) for p in pieces])
-        index = rows.to(next(iter(outputs.values())).device)
+        rows = [row for piece in pieces for row in range(piece[2].start, piece[2].stop)]
+        # Pinned and queued: a pageable copy would wait for the step's kernels here.
+        index = host_to_device(rows, torch.int64, next(iter(outputs.values())).device)
         host = {name: _to_host(value.index_select(0, index)) for name, value in outputs.items()}
         return pieces, host
 

@@ -85,6 +85,27 @@ def check_snake_beta(device: str, dtype: torch.dtype, seed: int) -> None:
             assert_close(snake_beta(x, module.alpha, module.beta), ref, dtype, f"snake_beta {shape} trim {trim} {dtype}")
 
 
+def check_top_k_race(device: str, dtype: torch.dtype, seed: int) -> None:
+    """The one-launch draw equals the code predictor's torch draw (top_k_top_p_race, which equals the
+    sampler's) and torch.argmax for greedy rows, on random logits with some exact ties."""
+    from pellucid.kernels.top_k_race import top_k_race
+    from pellucid.models.qwen3_omni.code_predictor import _TOP_P_FLOOR, TOP_K, top_k_top_p_race
+    g = torch.Generator().manual_seed(seed)
+    # The code predictor's 2,048-entry vocabulary on the GPU; the interpreter sorts far slower (minutes).
+    shapes = [(6, 2048, 3.0), (5, 300, 1.0), (3, 40, 2.0)] if device != "cpu" else [(4, 160, 3.0), (3, 40, 2.0)]
+    for rows, vocab, scale in shapes:
+        logits = (torch.randn(rows, vocab, generator=g) * scale).to(dtype)
+        logits[0, :7] = logits[0].max()         # a tie at the top: argmax takes the first
+        noise = torch.empty(rows, vocab).exponential_(generator=g)
+        greedy = torch.rand(rows, generator=g) < 0.3
+        greedy[0] = True
+        want = torch.where(greedy, logits.float().argmax(dim=-1), top_k_top_p_race(logits.float(), noise))
+        got = top_k_race(logits.to(device), noise.to(device), greedy.to(device), TOP_K, _TOP_P_FLOOR)
+        assert torch.equal(got.cpu(), want), f"top_k_race {rows}x{vocab} {dtype}: {got.tolist()} != {want.tolist()}"
+        argmax = top_k_race(logits.to(device), None, None, TOP_K, _TOP_P_FLOOR)
+        assert torch.equal(argmax.cpu(), logits.float().argmax(dim=-1)), f"top_k_race greedy {rows}x{vocab} {dtype}"
+
+
 def run_all(device: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for seed in range(3):
@@ -92,6 +113,7 @@ def run_all(device: str) -> None:
             check_silu_and_mul(device, dtype, seed)
             check_rotary(device, dtype, seed)
             check_snake_beta(device, dtype, seed)
+            check_top_k_race(device, dtype, seed)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,25 @@ def test_code_predictor_graphs_equal_eager(omni_dir) -> None:
         assert graphs.predict(torch.zeros(9, hidden_size, device="cuda"), torch.zeros(9, hidden_size, device="cuda"),
                               None, {}) is None     # more rows than the largest graph: the caller runs eagerly
     assert graphs.num_rows == 2 * (1 + 3 + 8 + 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_code_predictor_on_gpu_matches_cpu(omni_dir) -> None:
+    """The code predictor's CUDA path (keys and values stored by the q/k norm + rotary kernel, each code drawn in
+    one launch) gives the torch path's codes on the CPU, greedy and sampling with the same noise."""
+    predictors = {device: load_model(omni_dir, torch.float32, device, max_model_len=256, submodel="talker")[0]
+                  .talker.code_predictor for device in ("cpu", "cuda")}
+    hidden_size = int(predictors["cpu"].config.hidden_size)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows in (1, 3, 8):
+            hidden = torch.randn(rows, hidden_size, generator=g)
+            first = torch.randn(rows, hidden_size, generator=g)
+            greedy = torch.rand(rows, generator=g) < 0.4
+            noise = torch.empty(predictors["cpu"].noise_shape(rows)).exponential_(generator=g)
+            for mask, draws in ((None, None), (greedy, noise)):
+                codes = {device: predictor.predict_codes(
+                    hidden.to(device), first.to(device), mask.to(device) if mask is not None else None,
+                    draws.to(device) if draws is not None else None).tolist()
+                    for device, predictor in predictors.items()}
+                assert codes["cuda"] == codes["cpu"], (rows, mask)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.layers import Linear
 from pellucid.models.qwen3_omni.dense import DenseStack, KVCache
 from pellucid.runner.sampler import HEAD_STREAM, exponential_noise
@@ -46,6 +47,20 @@ def top_k_top_p_race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     keep[:, 0] = True       # the most likely token always survives rounding in the cumulative sum
     score = torch.where(keep, probs / noise.gather(1, ids), -1.0)
     return ids.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def draw_code(logits: torch.Tensor, greedy: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
+    """[R] codes from one codebook's logits [R, V] (model dtype): the argmax where `greedy` [R] is set (every
+    row when it is None), else the top-k / top-p race with `noise` [R, V]. One launch on CUDA."""
+    sampling = greedy is not None and noise is not None
+    if fused_kernels_enabled(logits, "top_k_race"):
+        from pellucid.kernels.top_k_race import top_k_race
+        return top_k_race(logits, noise if sampling else None, greedy if sampling else None, TOP_K, _TOP_P_FLOOR)
+    logits = logits.float()
+    code = logits.argmax(dim=-1)
+    if sampling:
+        code = torch.where(greedy, code, top_k_top_p_race(logits, noise))
+    return code
 
 
 class CodePredictorModel(DenseStack):
@@ -101,10 +116,8 @@ class CodePredictor(nn.Module):
         x = torch.stack((hidden, first_code_embeds), dim=1)
         codes = []
         for i in range(self.num_code_groups - 1):
-            logits = self.lm_head[i](self.model(x, cache)[:, -1]).float()
-            code = logits.argmax(dim=-1)
-            if greedy is not None and noise is not None:
-                code = torch.where(greedy, code, top_k_top_p_race(logits, noise[:, i * vocab:(i + 1) * vocab]))
+            logits = self.lm_head[i](self.model(x, cache)[:, -1])
+            code = draw_code(logits, greedy, noise[:, i * vocab:(i + 1) * vocab] if noise is not None else None)
             codes.append(code)
             if i + 1 < self.num_code_groups - 1:
                 x = self.model.codec_embedding[i](code)[:, None]

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pellucid.attention.fused_kv_store import FusedKVStore
+from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.layers import (GatedMLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm,
                                     is_observed, merged_projections_enabled, qk_norm_rotary)
 
@@ -30,13 +32,15 @@ MAX_CACHED_SHAPES = 1024
 
 
 class KVCache:
-    """Per-layer keys and values of a short sequence, [B, kv_heads, T_max, D], filled left to right."""
+    """Per-layer keys and values of a short sequence, filled left to right: [2, B, T_max, kv_heads, D] per
+    layer, the engine's paged cache layout with one block per row, so the kernel that finishes the keys
+    (q/k norm + rotary) stores them and the values on the way (pellucid.attention.fused_kv_store)."""
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (2, batch, max_len, num_kv_heads, head_dim)
+        self.layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
         self.length = 0     # positions stored (every layer advances together; see DenseStack.forward)
 
 
@@ -48,6 +52,7 @@ class DenseStep:
     length: int                         # positions fed in this forward (per row)
     start: int                          # positions already in the cache
     positions: torch.Tensor             # [batch * length] on the device, row-major
+    slots: torch.Tensor | None          # [batch * length] the tokens' KVCache slots (row * max_len + position)
     rotary: RotaryEmbedding
     mask: torch.Tensor | None           # [length, start + length] bool, or None (is_causal, or no mask at all)
     is_causal: bool
@@ -91,19 +96,27 @@ class DenseAttention(nn.Module):
         q = q.view(b * t, self.num_heads, self.head_dim)
         k = k.view(b * t, self.num_kv_heads, self.head_dim)
         v = v.view(b * t, self.num_kv_heads, self.head_dim)
+        store = None
+        norms = [m for m in (self.q_norm, self.k_norm) if m is not None]
+        if cache is not None and step.slots is not None and fused_kernels_enabled(q, "rotary_kv_store") \
+                and not is_observed(*norms):
+            store = FusedKVStore(v, cache.layers[self.layer_idx], step.slots)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk_norm_rotary(step.positions, q, k, self.q_norm, self.k_norm, step.rotary)
+            q, k = qk_norm_rotary(step.positions, q, k, self.q_norm, self.k_norm, step.rotary, store)
         else:
-            q, k = step.rotary(step.positions, q, k)
+            q, k = step.rotary(step.positions, q, k, kv_store=store)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
             end = step.start + t
-            cache.keys[self.layer_idx][:, :, step.start:end] = k
-            cache.values[self.layer_idx][:, :, step.start:end] = v
-            k = cache.keys[self.layer_idx][:, :, :end]
-            v = cache.values[self.layer_idx][:, :, :end]
+            layer = cache.layers[self.layer_idx]
+            if store is None or not store.stored:
+                layer[0, :, step.start:end] = k.view(b, t, self.num_kv_heads, self.head_dim)
+                layer[1, :, step.start:end] = v.view(b, t, self.num_kv_heads, self.head_dim)
+            k = layer[0, :, :end].transpose(1, 2)
+            v = layer[1, :, :end].transpose(1, 2)
+        else:
+            k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         out = nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=step.mask, is_causal=step.is_causal, scale=self.head_dim ** -0.5,
             enable_gqa=self.num_heads != self.num_kv_heads)
@@ -171,10 +184,11 @@ class DenseStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.sliding_window = sliding_window
         self.rotary = RotaryEmbedding(config, int(max_positions or config.max_position_embeddings), device)
-        # (batch, length, start, device) -> (positions, mask, is_causal): made once per shape, so a CUDA graph
-        # replays no kernel for them and an eager call launches none; the least recently used go first.
-        self._steps: OrderedDict[tuple[int, int, int, str], tuple[torch.Tensor, torch.Tensor | None, bool]] = \
-            OrderedDict()
+        # (batch, length, start, cache length, device) -> (positions, slots, mask, is_causal): made once per
+        # shape, so a CUDA graph replays no kernel for them and an eager call launches none; the least recently
+        # used go first.
+        self._steps: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                        bool]] = OrderedDict()
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, hidden = x.shape
@@ -182,7 +196,7 @@ class DenseStack(nn.Module):
         if start + t > self.rotary.max_positions:
             raise ValueError(f"{start + t} positions exceed this stack's {self.rotary.max_positions} "
                              "(max_position_embeddings)")
-        step = self._step(b, t, start, x.device)
+        step = self._step(b, t, start, x.device, cache.max_len if cache is not None else None)
         out, residual = x.reshape(b * t, hidden), None
         for layer in self.layers:
             out, residual = layer(out, residual, step, cache)
@@ -190,27 +204,31 @@ class DenseStack(nn.Module):
             cache.length = start + t
         return _add_norm(out, residual, self.norm)[1].view(b, t, hidden)
 
-    def _step(self, b: int, t: int, start: int, device: torch.device) -> DenseStep:
-        key = (b, t, start, str(device))
+    def _step(self, b: int, t: int, start: int, device: torch.device, cache_len: int | None) -> DenseStep:
+        key = (b, t, start, cache_len, str(device))
         made = self._steps.get(key)
         if made is None:
             positions = torch.arange(start, start + t, device=device).repeat(b)
+            slots = None
+            if cache_len is not None:   # row r's position p lives in slot r * cache_len + p
+                slots = positions + torch.arange(b, device=device).repeat_interleave(t) * cache_len
             query = torch.arange(start, start + t, device=device)[:, None]
             keys = torch.arange(start + t, device=device)[None, :]
             windowed = self.sliding_window is not None and start + t > self.sliding_window
             if windowed:        # query i (position start + i) sees keys j in (start + i - window, start + i]
                 assert self.sliding_window is not None
-                made = (positions, (keys <= query) & (keys > query - self.sliding_window), False)
+                mask, causal = (keys <= query) & (keys > query - self.sliding_window), False
             elif t == 1:        # one new position sees every cached one
-                made = (positions, None, False)
+                mask, causal = None, False
             elif start == 0:
-                made = (positions, None, True)
+                mask, causal = None, True
             else:
-                made = (positions, keys <= query, False)
+                mask, causal = keys <= query, False
+            made = (positions, slots, mask, causal)
             self._steps[key] = made
             if len(self._steps) > MAX_CACHED_SHAPES:
                 self._steps.popitem(last=False)
         else:
             self._steps.move_to_end(key)
-        positions, mask, causal = made
-        return DenseStep(b, t, start, positions, self.rotary, mask, causal)
+        positions, slots, mask, causal = made
+        return DenseStep(b, t, start, positions, slots, self.rotary, mask, causal)
