@@ -7,7 +7,8 @@ eager attention's in float32 (softmax over scaled scores plus the mask), via tor
 
 The code predictor runs 15 passes of its layers per frame, one position each, so on the GPU it is bound by
 kernel count, not bytes (BENCHMARKS.md, issue 20). Hence the layers use the engine's fused paths: one GEMM
-for q/k/v (`MergedLinear`), q/k norm and rotary in one in-place kernel over a cached cos/sin table, each
+for q/k/v (`MergedLinear`), q/k norm and rotary in one in-place kernel over a cached cos/sin table that
+also stores the keys and values in the KV cache (laid out as the engine's paged cache), each
 residual add fused with the RMSNorm after it, grouped-query attention without repeating keys, and masks
 and positions made once per shape, not per call; 2-D [tokens, hidden] activations throughout, so
 decode-sized products take the skinny GEMMs. On the CPU each of these is the plain torch code.
