@@ -113,7 +113,7 @@ def run_all(device: str) -> None:
             check_silu_and_mul(device, dtype, seed)
             check_rotary(device, dtype, seed)
             check_snake_beta(device, dtype, seed)
-            check_top_k_race(device, dtype, seed)
+        check_top_k_race(device, dtype, 0)     # its sort is slow under the interpreter: one seed per dtype
 
 
 if __name__ == "__main__":
