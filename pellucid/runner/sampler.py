@@ -25,11 +25,15 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=1)
 
 
+def tensor_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Send a host tensor over, pinned first when the target is CUDA: a copy from pageable memory would wait
+    for the work already queued on the stream."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+
+
 def host_to_device(values: list[int] | list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Build a host tensor (pinned when the target is CUDA, so the copy does not block) and send it over."""
-    pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True) if pin \
-        else torch.tensor(values, dtype=dtype, device=device)
+    """Build a host tensor and send it over (tensor_to_device)."""
+    return tensor_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -42,7 +46,7 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
         return counts
     # array -> tensor runs in C; a nested Python list would cost several times more for long histories.
     ids = torch.frombuffer(flat, dtype=torch.int64)
-    ids = ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
+    ids = tensor_to_device(ids, device)
     lengths = host_to_device([len(r) for r in rows], torch.int64, device)
     # output_size keeps repeat_interleave from reading the total back from the device.
     row_of_id = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths, output_size=len(flat))

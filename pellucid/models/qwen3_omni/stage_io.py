@@ -31,6 +31,7 @@ import torch
 
 from pellucid.models.qwen3_omni.configs import OmniConfig
 from pellucid.models.qwen3_omni.talker import PROJECT_HIDDEN, PROJECT_TEXT, TALKER_INPUTS_KEY, TalkerStepInputs
+from pellucid.runner.sampler import host_to_device, tensor_to_device
 
 NUM_ASSISTANT_PREFIX = 3       # <|im_start|> assistant \n
 NUM_ASSISTANT_ROWS = 9         # the prefix, 4 pad rows with the codec control ids, bos, the first text token
@@ -187,10 +188,8 @@ def talker_step_inputs(states: list[TalkerInputs], starts: list[int], counts: li
         projection += p
         codes += c
     codes_tensor = torch.tensor(codes, dtype=torch.int64)
-    # Pinned, so the copies queue behind the stream's work instead of waiting for it.
-    pin = device.type == "cuda"
-    send = lambda x: (x.pin_memory() if pin else x).to(device, non_blocking=True)  # noqa: E731
     inputs = TalkerStepInputs(
-        thinker_vectors=send(torch.cat(vectors)), projection=send(torch.tensor(projection, dtype=torch.int64)),
-        codes=send(codes_tensor), any_hidden=PROJECT_HIDDEN in projection, any_codes=bool((codes_tensor >= 0).any()))
+        thinker_vectors=tensor_to_device(torch.cat(vectors), device),
+        projection=host_to_device(projection, torch.int64, device), codes=tensor_to_device(codes_tensor, device),
+        any_hidden=PROJECT_HIDDEN in projection, any_codes=bool((codes_tensor >= 0).any()))
     return {TALKER_INPUTS_KEY: inputs}
