@@ -43,7 +43,7 @@ for s in $sections; do
     bench_full) run omni_bench_full 400 python3 benchmarks/omni_pipeline_bench.py --concurrency 1,8,32 \
                   --requests-per-level 1 --text-tokens 200 --talker-frames 625 --chunk-size 5 --first-chunk-size 1 \
                   --first-decode-chunk 5 --stages threads ;;
-    # The same with each stage in its own process (not measured since the code predictor's rework).
+    # The same with each stage in its own process, as the issue and the server run them.
     bench_full_processes) run omni_bench_full_processes 400 python3 benchmarks/omni_pipeline_bench.py \
                             --concurrency 1,8,32 --requests-per-level 1 --text-tokens 200 --talker-frames 625 \
                             --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 --stages processes ;;
@@ -52,7 +52,8 @@ for s in $sections; do
                           --requests-per-level 3 --text-tokens 200 --talker-frames 625 --chunk-size 5 --first-chunk-size 1 \
                           --first-decode-chunk 5 --stages processes --modes "async chunk" ;;
     kernels) run fused_kernels 120 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_fused_kernels.py ;;
-    # Where one request's GPU time goes: GPU busy time against wall, and the top kernels.
+    # Where one request's GPU time goes: GPU busy time against wall, per stream (a stage each), each stage's
+    # steps, and the top kernels.
     profile) run omni_profile 200 python3 benchmarks/omni_pipeline_bench.py --concurrency 1 --requests-per-level 1 \
                --text-tokens 200 --talker-frames 250 --chunk-size 5 --first-chunk-size 1 --first-decode-chunk 5 \
                --stages threads --modes "async chunk" --profile ;;

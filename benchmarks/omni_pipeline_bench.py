@@ -5,8 +5,9 @@
 
 The three stages share the device: by default each in a process of its own, chunks through shared memory, as
 the issue and the server run them (`--stages threads`: each in a thread of this process on a CUDA stream of
-its own; `turns`: stepped in turn by this thread). Every level is first warmed up in each mode with short answers. For each concurrency,
-`--requests-per-level` x concurrency requests run with that many in flight: a chat prompt, a 200-token answer (`--text-tokens`, EOS ignored: random weights), spoken in
+its own; `turns`: stepped in turn by this thread). Every level is first warmed up in each mode with short
+answers. For each concurrency, `--requests-per-level` x concurrency requests run with that many in flight: a
+chat prompt, a 200-token answer (`--text-tokens`, EOS ignored: random weights), spoken in
 `--talker-frames` frames (EOS banned until then; 12.5 frames per second of audio). The default, 625 frames
 (50 s), is how long a 200-token answer takes to say: speech runs at about 3-4 text tokens a second, and the
 talker takes one thinker row per frame while the text lasts, so it can never speak 200 tokens in fewer than
@@ -231,7 +232,7 @@ def main() -> int:
                              "own (one CUDA context); or this thread, stepped in turn")
     parser.add_argument("--profile", action="store_true",
                         help="after the async-chunk levels, one more request alone under torch.profiler: GPU busy "
-                             "time and the top kernels")
+                             "time, overall and per CUDA stream, each stage's steps, and the top kernels")
     parser.add_argument("--modes", default="async chunk,stage after stage",
                         help="which of the two modes to run (comma-separated)")
     parser.add_argument("--enforce-eager", action="store_true", help="every stage's steps eagerly (no CUDA graphs)")

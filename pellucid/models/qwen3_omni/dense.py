@@ -185,11 +185,10 @@ class DenseStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.sliding_window = sliding_window
         self.rotary = RotaryEmbedding(config, int(max_positions or config.max_position_embeddings), device)
-        # (batch, length, start, cache length, device) -> (positions, slots, mask, is_causal): made once per
-        # shape, so a CUDA graph replays no kernel for them and an eager call launches none; the least recently
-        # used go first.
-        self._steps: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                                        bool]] = OrderedDict()
+        # (batch, length, start, cache length, device) -> its DenseStep: made once per shape, so a CUDA graph
+        # replays no kernel for its positions, slots and mask and an eager call launches none; the least
+        # recently used go first.
+        self._steps: OrderedDict[tuple[Any, ...], DenseStep] = OrderedDict()
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, hidden = x.shape
@@ -207,8 +206,8 @@ class DenseStack(nn.Module):
 
     def _step(self, b: int, t: int, start: int, device: torch.device, cache_len: int | None) -> DenseStep:
         key = (b, t, start, cache_len, str(device))
-        made = self._steps.get(key)
-        if made is None:
+        step = self._steps.get(key)
+        if step is None:
             positions = torch.arange(start, start + t, device=device).repeat(b)
             slots = None
             if cache_len is not None:   # row r's position p lives in slot r * cache_len + p
@@ -225,11 +224,10 @@ class DenseStack(nn.Module):
                 mask, causal = None, True
             else:
                 mask, causal = keys <= query, False
-            made = (positions, slots, mask, causal)
-            self._steps[key] = made
+            step = DenseStep(b, t, start, positions, slots, self.rotary, mask, causal)
+            self._steps[key] = step
             if len(self._steps) > MAX_CACHED_SHAPES:
                 self._steps.popitem(last=False)
         else:
             self._steps.move_to_end(key)
-        positions, slots, mask, causal = made
-        return DenseStep(b, t, start, positions, slots, self.rotary, mask, causal)
+        return step
