@@ -26,6 +26,23 @@ def short_name(name: str) -> str:
     return name if len(name) <= 70 else name[:67] + "..."
 
 
+def _position_labels(kernels: list, steps: int, layers: int) -> list[str]:
+    """Each kernel's name, with its place in the layer for names launched several times per layer."""
+    per_step = collections.Counter(name for _, _, name in kernels)
+    seen: collections.Counter = collections.Counter()
+    labels = []
+    for _, _, name in kernels:
+        count = per_step[name] // steps
+        per_layer = count // layers
+        i = seen[name] % max(count, 1)
+        seen[name] += 1
+        if per_layer < 2:
+            labels.append(name)
+        else:
+            labels.append(f"{short_name(name)[:50]}[{i % per_layer if i < per_layer * layers else 'end'}]")
+    return labels
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(parser)
@@ -33,21 +50,25 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=30, help="kernel names to list")
+    parser.add_argument("--by-position", action="store_true",
+                        help="split a kernel launched several times per layer by its place in the layer "
+                             "(name[i]: its i-th launch in each layer; name[end]: launches after the layers)")
     args = parser.parse_args()
     core, prof = profile_decode_steps(args, max_model_len=2048, prompt_len=args.prompt_len, warm_steps=10)
     kernels = sorted((e.time_range.end, e.time_range.start, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     if len(kernels) < 2:
         raise SystemExit("the profiler recorded no CUDA kernels")
+    steps = args.steps
+    label = _position_labels(kernels, steps, len(core.runner.model.model.layers)) if args.by_position else None
     stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
     previous_end = kernels[0][0]
-    for end, start, name in kernels[1:]:
-        entry = stats[name]
+    for i, (end, start, name) in enumerate(kernels[1:], start=1):
+        entry = stats[label[i] if label else name]
         entry[0] += 1
         entry[1] += end - start
         entry[2] += end - previous_end
         previous_end = end
-    steps = args.steps
     span_us = (kernels[-1][0] - kernels[0][0]) / steps
     floor_us = measure_floors().bytes_time(weight_bytes_per_step(core.runner.model)) * 1e6
     print(f"{args.model}, batch {args.batch}, graph decode steps: {len(kernels) / steps:.0f} kernels/step, "

@@ -17,6 +17,9 @@ reductions stay within it), and `_layout_kernel`, one program that counts the en
 atomic increment of the expert's counter gives each entry its row; rows within an expert come in any order,
 and every GEMM row is computed on its own, so results do not depend on it), takes the padded prefix sums and
 scatters the entries. The program zeroes its own counters first: nothing carries over between calls.
+A single token (a batch-1 decode step) takes one launch: `_route_kernel` lays out its k entries itself.
+Measured on an H100 (BENCHMARKS.md, issue 19, round 4): one MoE layer's routing + layout 6.6 -> 3.1 us,
+the Qwen3-30B-A3B batch-1 decode step 3.54 -> 3.32-3.36 ms.
 """
 from __future__ import annotations
 
@@ -37,9 +40,11 @@ def max_blocks(num_entries: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, T, E, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_E: tl.constexpr, K_POW2: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-    """Route BLOCK_T tokens: their top-k expert ids [T, k] int32 and weights [T, k] (the weights' dtype)."""
+def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, T, E,
+                  TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_POW2: tl.constexpr,
+                  RENORM: tl.constexpr, ONE_TOKEN_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """Route BLOCK_T tokens: their top-k expert ids [T, k] int32 and weights [T, k] (the weights' dtype).
+    ONE_TOKEN_LAYOUT (T = 1, BLOCK_T = 1): also the token's layout, one block per entry in expert order."""
     release_dependents(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
@@ -68,6 +73,17 @@ def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, T, E, TOP_K: tl.co
     out = offs_t.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
     tl.store(ids_ptr + out, ids, mask=mask)
     tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=mask)
+    if ONE_TOKEN_LAYOUT:
+        # Entry j's block is its rank by (expert, slot): the blocks run in expert order, as the layout
+        # kernel's do, and repeated experts (a NaN row) still get a block each.
+        chosen = tl.reshape(ids, [K_POW2])
+        valid = offs_k < TOP_K
+        before = (chosen[None, :] < chosen[:, None]) | ((chosen[None, :] == chosen[:, None])
+                                                       & (offs_k[None, :] < offs_k[:, None]))
+        block = tl.sum((before & valid[None, :]).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + block * BLOCK_M, offs_k, mask=valid)
+        tl.store(block_expert_ptr + block, chosen, mask=valid)
+        tl.store(block_rows_ptr + block, tl.full([K_POW2], 1, tl.int32), mask=valid)
 
 
 @triton.jit
@@ -136,35 +152,55 @@ class ExpertLayout:
 
 def route_and_layout(logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype,
                      block_m: int) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout]:
-    """(expert ids [T, k] int32, routing weights [T, k] in weights_dtype, layout) from router logits [T, E]."""
+    """(expert ids [T, k] int32, routing weights [T, k] in weights_dtype, layout) from router logits [T, E].
+    One token (a batch-1 decode step) takes one launch: the routing kernel lays out its k entries itself,
+    a block each, which is the layout kernel's result when the k experts differ (they do, unless the logits
+    hold a NaN)."""
     num_tokens, num_experts = logits.shape
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=logits.device)
+    one_token = num_tokens == 1
+    layout = empty_layout(num_tokens, top_k, num_experts, block_m, logits.device)
     if num_tokens:
-        _route_kernel[(triton.cdiv(num_tokens, _ROUTE_BLOCK_T),)](
-            logits, logits.stride(0), ids, weights, num_tokens, num_experts, TOP_K=top_k, BLOCK_T=_ROUTE_BLOCK_T,
-            BLOCK_E=triton.next_power_of_2(num_experts), K_POW2=triton.next_power_of_2(top_k), RENORM=renormalize,
+        block_t = 1 if one_token else _ROUTE_BLOCK_T
+        _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+            logits, logits.stride(0), ids, weights, layout.sorted_entries, layout.block_expert, layout.block_rows,
+            num_tokens, num_experts, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(num_experts),
+            K_POW2=triton.next_power_of_2(top_k), RENORM=renormalize, ONE_TOKEN_LAYOUT=one_token, BLOCK_M=block_m,
             num_warps=1, **pdl_launch_options(logits))
-    return ids, weights, layout_for(ids, num_experts, block_m)
+        if not one_token:
+            _lay_out(ids, layout, num_experts)
+    return ids, weights, layout
+
+
+def empty_layout(num_tokens: int, top_k: int, num_experts: int, block_m: int, device) -> ExpertLayout:
+    """Unfilled buffers of the layout of num_tokens x top_k entries (sized for any routing)."""
+    blocks = max_blocks(num_tokens * top_k, num_experts, block_m)
+    sorted_entries = torch.empty(max(blocks, 1) * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    block_rows = torch.empty(blocks, dtype=torch.int32, device=device)
+    return ExpertLayout(sorted_entries, block_expert, block_rows, block_m, top_k)
 
 
 def layout_for(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
     """The layout of expert ids [T, k] (any integer dtype): entries grouped by expert in blocks of block_m rows."""
     ids = ids.contiguous()
     num_tokens, top_k = ids.shape
-    device = ids.device
-    entries = num_tokens * top_k
-    blocks = max_blocks(entries, num_experts, block_m)
-    sorted_entries = torch.empty(max(blocks, 1) * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    block_rows = torch.empty(blocks, dtype=torch.int32, device=device)
-    layout = ExpertLayout(sorted_entries, block_expert, block_rows, block_m, top_k)
-    if entries:
-        scratch = torch.empty(2 * num_experts + entries, dtype=torch.int32, device=device)
-        counts, starts, ranks = scratch[:num_experts], scratch[num_experts:2 * num_experts], scratch[2 * num_experts:]
-        _layout_kernel[(1,)](ids, counts, ranks, starts, sorted_entries, block_expert, block_rows, entries, num_experts,
-                             blocks, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-                             BLOCK_B=min(_LAYOUT_BLOCK_B, triton.next_power_of_2(blocks)),
-                             BLOCK_N=min(_ENTRY_BLOCK, triton.next_power_of_2(entries)), num_warps=4,
-                             **pdl_launch_options(ids))
+    layout = empty_layout(num_tokens, top_k, num_experts, block_m, ids.device)
+    _lay_out(ids, layout, num_experts)
     return layout
+
+
+def _lay_out(ids: torch.Tensor, layout: ExpertLayout, num_experts: int) -> None:
+    """Fill `layout` for contiguous ids [T, k] with the layout kernel."""
+    entries = ids.numel()
+    if not entries:
+        return
+    blocks = layout.num_blocks
+    scratch = torch.empty(2 * num_experts + entries, dtype=torch.int32, device=ids.device)
+    counts, starts, ranks = scratch[:num_experts], scratch[num_experts:2 * num_experts], scratch[2 * num_experts:]
+    _layout_kernel[(1,)](ids, counts, ranks, starts, layout.sorted_entries, layout.block_expert, layout.block_rows,
+                         entries, num_experts, blocks, BLOCK_E=triton.next_power_of_2(num_experts),
+                         BLOCK_M=layout.block_m, BLOCK_B=min(_LAYOUT_BLOCK_B, triton.next_power_of_2(blocks)),
+                         BLOCK_N=min(_ENTRY_BLOCK, triton.next_power_of_2(entries)), num_warps=4,
+                         **pdl_launch_options(ids))
