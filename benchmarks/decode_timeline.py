@@ -39,7 +39,7 @@ def _position_labels(kernels: list, steps: int, layers: int) -> list[str]:
         if per_layer < 2:
             labels.append(name)
         else:
-            labels.append(f"{short_name(name)[:50]}[{i % per_layer if i < per_layer * layers else 'end'}]")
+            labels.append(f"{name[:50]}[{i % per_layer if i < per_layer * layers else 'end'}]")
     return labels
 
 

@@ -160,7 +160,7 @@ def route_and_layout(logits: torch.Tensor, top_k: int, renormalize: bool, weight
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=logits.device)
     one_token = num_tokens == 1
-    layout = empty_layout(num_tokens, top_k, num_experts, block_m, logits.device)
+    layout = _empty_layout(num_tokens, top_k, num_experts, block_m, logits.device)
     if num_tokens:
         block_t = 1 if one_token else _ROUTE_BLOCK_T
         _route_kernel[(triton.cdiv(num_tokens, block_t),)](
@@ -173,7 +173,7 @@ def route_and_layout(logits: torch.Tensor, top_k: int, renormalize: bool, weight
     return ids, weights, layout
 
 
-def empty_layout(num_tokens: int, top_k: int, num_experts: int, block_m: int, device) -> ExpertLayout:
+def _empty_layout(num_tokens: int, top_k: int, num_experts: int, block_m: int, device) -> ExpertLayout:
     """Unfilled buffers of the layout of num_tokens x top_k entries (sized for any routing)."""
     blocks = max_blocks(num_tokens * top_k, num_experts, block_m)
     sorted_entries = torch.empty(max(blocks, 1) * block_m, dtype=torch.int32, device=device)
@@ -186,7 +186,7 @@ def layout_for(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayou
     """The layout of expert ids [T, k] (any integer dtype): entries grouped by expert in blocks of block_m rows."""
     ids = ids.contiguous()
     num_tokens, top_k = ids.shape
-    layout = empty_layout(num_tokens, top_k, num_experts, block_m, ids.device)
+    layout = _empty_layout(num_tokens, top_k, num_experts, block_m, ids.device)
     _lay_out(ids, layout, num_experts)
     return layout
 
