@@ -20,10 +20,25 @@ from decode_profile import profile_decode_steps     # benchmarks/ is on sys.path
 
 from pellucid.bench.common import add_model_args, print_table, weight_bytes_per_step
 from pellucid.bench.floors import measure_floors
+from pellucid.bench.moe import decode_bytes, sparse_blocks
 
 
 def short_name(name: str) -> str:
     return name if len(name) <= 70 else name[:67] + "..."
+
+
+def _step_weight_bytes(model, batch: int) -> tuple[float, str]:
+    """(weight bytes a decode step of `batch` tokens reads, a note on how they were counted). A
+    mixture-of-experts step reads only the experts its tokens chose: min(experts, batch * top_k) per layer,
+    exact at batch 1 and an upper bound above it (`pellucid bench latency` measures the count)."""
+    dense = weight_bytes_per_step(model)
+    blocks = sparse_blocks(model)
+    if not blocks:
+        return dense, ""
+    spec = blocks[0][1].spec
+    touched = min(spec.num_experts, batch * spec.top_k)
+    exact = "" if batch == 1 else ", an upper bound"
+    return decode_bytes(model, dense, touched), f" (counting {touched} experts per MoE layer{exact})"
 
 
 def _position_labels(kernels: list, steps: int, layers: int) -> list[str]:
@@ -70,9 +85,10 @@ def main() -> None:
         entry[2] += end - previous_end
         previous_end = end
     span_us = (kernels[-1][0] - kernels[0][0]) / steps
-    floor_us = measure_floors().bytes_time(weight_bytes_per_step(core.runner.model)) * 1e6
+    step_bytes, floor_note = _step_weight_bytes(core.runner.model, args.batch)
+    floor_us = measure_floors().bytes_time(step_bytes) * 1e6
     print(f"{args.model}, batch {args.batch}, graph decode steps: {len(kernels) / steps:.0f} kernels/step, "
-          f"{span_us:.1f} us/step of GPU timeline; weight-bytes floor {floor_us:.1f} us")
+          f"{span_us:.1f} us/step of GPU timeline; weight-bytes floor {floor_us:.1f} us{floor_note}")
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:args.top]
     print_table(["kernel", "launches/step", "mean us", "advance us/step", "share"],
                 [[short_name(name), f"{n / steps:.0f}", f"{dur / n:.2f}", f"{adv / steps:.1f}",

@@ -22,22 +22,38 @@ def token_slot(slot_mapping_ptr, token, STORE_KV: tl.constexpr):
 
 
 @triton.jit
-def store_token_kv(k1, k2, value_ptr, stride_v_t, stride_v_h, cache_ptr, stride_cache_kv, stride_cache_block,
-                   stride_cache_slot, stride_cache_head, slot, token, num_heads, offs_h, offs_d, d_mask,
-                   HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Store keys (k1 | k2: the two halves of head_dim, [BLOCK_H, BLOCK_D] in the cache dtype) and the token's
-    values at `slot`; nothing for slot -1 (CUDA-graph padding)."""
+def _token_kv_mask(slot, num_heads, offs_h, d_mask):
+    # Heads past num_heads, and every head of a padding row (slot -1) or of a kernel that stores nothing
+    # (slot -1 too), are masked (a vector mask: the Triton CPU interpreter rejects scalar terms in masks).
+    return (offs_h[:, None] < tl.where(slot >= 0, num_heads, 0)) & d_mask[None, :]
+
+
+@triton.jit
+def load_token_values(value_ptr, stride_v_t, stride_v_h, slot, token, num_heads, offs_h, offs_d, d_mask,
+                      HALF: tl.constexpr):
+    """The token's values (v1 | v2: the two halves of head_dim, [BLOCK_H, BLOCK_D]) for store_token_kv; masked
+    to nothing for slot -1. Callers load them together with the query and key, before storing anything: a
+    load after a store to the same buffer waits for it (the compiler cannot tell them apart), and at one
+    token each such wait is an L2 round trip on the step's critical path."""
+    mask = _token_kv_mask(slot, num_heads, offs_h, d_mask)
+    src = value_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :]
+    return tl.load(src, mask=mask), tl.load(src + HALF, mask=mask)
+
+
+@triton.jit
+def store_token_kv(k1, k2, v1, v2, cache_ptr, stride_cache_kv, stride_cache_block, stride_cache_slot,
+                   stride_cache_head, slot, num_heads, offs_h, offs_d, d_mask, HALF: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr):
+    """Store keys and values (k1 | k2 and v1 | v2: halves of head_dim, [BLOCK_H, BLOCK_D] in the cache dtype)
+    at `slot`; nothing for slot -1 (CUDA-graph padding)."""
     safe_slot = tl.maximum(slot, 0)
-    # Heads past num_heads, and every head of a padding row, are masked (a vector mask: the Triton CPU
-    # interpreter rejects scalar terms in masks).
-    mask = (offs_h[:, None] < tl.where(slot >= 0, num_heads, 0)) & d_mask[None, :]
+    mask = _token_kv_mask(slot, num_heads, offs_h, d_mask)
     dst = (cache_ptr + (safe_slot // BLOCK_SIZE) * stride_cache_block + (safe_slot % BLOCK_SIZE) * stride_cache_slot
            + offs_h[:, None] * stride_cache_head + offs_d[None, :])
     tl.store(dst, k1, mask=mask)
     tl.store(dst + HALF, k2, mask=mask)
-    src = value_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :]
-    tl.store(dst + stride_cache_kv, tl.load(src, mask=mask), mask=mask)
-    tl.store(dst + stride_cache_kv + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+    tl.store(dst + stride_cache_kv, v1, mask=mask)
+    tl.store(dst + stride_cache_kv + HALF, v2, mask=mask)
 
 
 def kv_store_args(kv_store: Any | None, key: torch.Tensor) -> dict[str, Any]:

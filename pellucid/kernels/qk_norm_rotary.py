@@ -15,7 +15,7 @@ import triton.language as tl
 
 from pellucid.kernels.kv_store import kv_store_args, store_token_kv, token_slot
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
-from pellucid.kernels.rotary import rotate_half_rounded, token_cos_sin
+from pellucid.kernels.rotary import load_token_qkv, rotate_half_rounded, token_cos_sin
 
 if TYPE_CHECKING:
     from pellucid.attention.fused_kv_store import FusedKVStore
@@ -29,12 +29,8 @@ def _norm_weights(weight_ptr, offs_d, d_mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _norm_rotate_heads(x_ptr, w1, w2, stride_t, stride_h, token, num_heads, eps, cos, sin, offs_h, offs_d,
-                       d_mask, HALF: tl.constexpr):
-    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
-    base = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+def _norm_rotate_store(base, mask, x1, x2, w1, w2, eps, cos, sin, x_ptr, HALF: tl.constexpr):
+    """RMSNorm each head of x1 | x2 (loaded by rotary.load_token_qkv), rotate, store at base; returns them."""
     dtype = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
@@ -69,14 +65,14 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr
     k_w1, k_w2 = _norm_weights(k_weight_ptr, offs_d, d_mask, HALF)
     slot = token_slot(slot_mapping_ptr, token, STORE_KV)
     wait_for_previous_kernel(PDL)
-    _norm_rotate_heads(q_ptr, q_w1, q_w2, stride_q_t, stride_q_h, token, num_q_heads, q_eps, cos, sin,
-                       tl.arange(0, BLOCK_HQ), offs_d, d_mask, HALF)
-    k1, k2 = _norm_rotate_heads(k_ptr, k_w1, k_w2, stride_k_t, stride_k_h, token, num_k_heads, k_eps, cos, sin,
-                                tl.arange(0, BLOCK_HK), offs_d, d_mask, HALF)
+    q_base, q_mask, q1, q2, k_base, k_mask, k1, k2, v1, v2 = load_token_qkv(
+        q_ptr, k_ptr, value_ptr, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, token, slot,
+        num_q_heads, num_k_heads, offs_d, d_mask, HALF, BLOCK_HQ, BLOCK_HK)
+    _norm_rotate_store(q_base, q_mask, q1, q2, q_w1, q_w2, q_eps, cos, sin, q_ptr, HALF)
+    k1, k2 = _norm_rotate_store(k_base, k_mask, k1, k2, k_w1, k_w2, k_eps, cos, sin, k_ptr, HALF)
     if STORE_KV:
-        store_token_kv(k1, k2, value_ptr, stride_v_t, stride_v_h, cache_ptr, stride_cache_kv, stride_cache_block,
-                       stride_cache_slot, stride_cache_head, slot, token, num_k_heads, tl.arange(0, BLOCK_HK),
-                       offs_d, d_mask, HALF, BLOCK_SIZE)
+        store_token_kv(k1, k2, v1, v2, cache_ptr, stride_cache_kv, stride_cache_block, stride_cache_slot,
+                       stride_cache_head, slot, num_k_heads, tl.arange(0, BLOCK_HK), offs_d, d_mask, HALF, BLOCK_SIZE)
 
 
 def qk_norm_rotary_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pellucid.kernels.kv_store import kv_store_args, store_token_kv, token_slot
+from pellucid.kernels.kv_store import kv_store_args, load_token_values, store_token_kv, token_slot
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
 
 if TYPE_CHECKING:
@@ -41,12 +41,30 @@ def rotate_half_rounded(x1, x2, cos, sin, x_ptr):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_t, stride_h, token, num_heads, cos, sin, offs_h, offs_d, d_mask,
-                  HALF: tl.constexpr):
+def _load_head_halves(x_ptr, stride_t, stride_h, token, num_heads, offs_h, offs_d, d_mask, HALF: tl.constexpr):
     mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
     base = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    return base, mask, tl.load(base, mask=mask, other=0.0), tl.load(base + HALF, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_token_qkv(q_ptr, k_ptr, value_ptr, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+                   token, slot, num_q_heads, num_k_heads, offs_d, d_mask, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                   BLOCK_HK: tl.constexpr):
+    """Everything a token's rotary step reads, loaded before it stores anything (kv_store.load_token_values
+    says why): (q addresses, q mask, q1, q2, k addresses, k mask, k1, k2, v1, v2), x1 | x2 the two halves of
+    head_dim of each head [BLOCK_H, BLOCK_D]; the values masked to nothing for slot -1."""
+    q_base, q_mask, q1, q2 = _load_head_halves(q_ptr, stride_q_t, stride_q_h, token, num_q_heads,
+                                               tl.arange(0, BLOCK_HQ), offs_d, d_mask, HALF)
+    k_base, k_mask, k1, k2 = _load_head_halves(k_ptr, stride_k_t, stride_k_h, token, num_k_heads,
+                                               tl.arange(0, BLOCK_HK), offs_d, d_mask, HALF)
+    v1, v2 = load_token_values(value_ptr, stride_v_t, stride_v_h, slot, token, num_k_heads, tl.arange(0, BLOCK_HK),
+                               offs_d, d_mask, HALF)
+    return q_base, q_mask, q1, q2, k_base, k_mask, k1, k2, v1, v2
+
+
+@triton.jit
+def _rotate_store(base, mask, x1, x2, cos, sin, x_ptr, HALF: tl.constexpr):
     dtype = x1.dtype
     out1, out2 = rotate_half_rounded(x1.to(tl.float32), x2.to(tl.float32), cos, sin, x_ptr)
     out1, out2 = out1.to(dtype), out2.to(dtype)
@@ -72,14 +90,14 @@ def _rotary_kernel(q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
     cos, sin = token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, q_ptr)
     slot = token_slot(slot_mapping_ptr, token, STORE_KV)
     wait_for_previous_kernel(PDL)
-    _rotate_heads(q_ptr, stride_q_t, stride_q_h, token, num_q_heads, cos, sin, tl.arange(0, BLOCK_HQ), offs_d,
-                  d_mask, HALF)
-    k1, k2 = _rotate_heads(k_ptr, stride_k_t, stride_k_h, token, num_k_heads, cos, sin, tl.arange(0, BLOCK_HK),
-                           offs_d, d_mask, HALF)
+    q_base, q_mask, q1, q2, k_base, k_mask, k1, k2, v1, v2 = load_token_qkv(
+        q_ptr, k_ptr, value_ptr, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, token, slot,
+        num_q_heads, num_k_heads, offs_d, d_mask, HALF, BLOCK_HQ, BLOCK_HK)
+    _rotate_store(q_base, q_mask, q1, q2, cos, sin, q_ptr, HALF)
+    k1, k2 = _rotate_store(k_base, k_mask, k1, k2, cos, sin, k_ptr, HALF)
     if STORE_KV:
-        store_token_kv(k1, k2, value_ptr, stride_v_t, stride_v_h, cache_ptr, stride_cache_kv, stride_cache_block,
-                       stride_cache_slot, stride_cache_head, slot, token, num_k_heads, tl.arange(0, BLOCK_HK),
-                       offs_d, d_mask, HALF, BLOCK_SIZE)
+        store_token_kv(k1, k2, v1, v2, cache_ptr, stride_cache_kv, stride_cache_block, stride_cache_slot,
+                       stride_cache_head, slot, num_k_heads, tl.arange(0, BLOCK_HK), offs_d, d_mask, HALF, BLOCK_SIZE)
 
 
 def rotary_inplace(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
