@@ -9,6 +9,8 @@ engine runs them (graph replays, then the head and sampler) and orders every ker
 kernel ends after the one before it on the stream, so `end[i] - end[i-1]` is what kernel i adds to the
 step. Per kernel name it prints launches per step, the mean duration and the mean advance; their sum
 is the step's GPU time, next to the measured step time and the weight-bytes floor of the same run.
+"started ahead" is how long before the previous kernel's end a kernel started, on average (under
+programmatic dependent launch, the time it had to load weights ahead of its wait; negative: a gap).
 """
 from __future__ import annotations
 
@@ -76,13 +78,14 @@ def main() -> None:
         raise SystemExit("the profiler recorded no CUDA kernels")
     steps = args.steps
     label = _position_labels(kernels, steps, len(core.runner.model.model.layers)) if args.by_position else None
-    stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     previous_end = kernels[0][0]
     for i, (end, start, name) in enumerate(kernels[1:], start=1):
         entry = stats[label[i] if label else name]
         entry[0] += 1
         entry[1] += end - start
         entry[2] += end - previous_end
+        entry[3] += previous_end - start
         previous_end = end
     span_us = (kernels[-1][0] - kernels[0][0]) / steps
     step_bytes, floor_note = _step_weight_bytes(core.runner.model, args.batch)
@@ -90,9 +93,9 @@ def main() -> None:
     print(f"{args.model}, batch {args.batch}, graph decode steps: {len(kernels) / steps:.0f} kernels/step, "
           f"{span_us:.1f} us/step of GPU timeline; weight-bytes floor {floor_us:.1f} us{floor_note}")
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:args.top]
-    print_table(["kernel", "launches/step", "mean us", "advance us/step", "share"],
-                [[short_name(name), f"{n / steps:.0f}", f"{dur / n:.2f}", f"{adv / steps:.1f}",
-                  f"{adv / steps / span_us:.1%}"] for name, (n, dur, adv) in rows])
+    print_table(["kernel", "launches/step", "mean us", "started ahead us", "advance us/step", "share"],
+                [[short_name(name), f"{n / steps:.0f}", f"{dur / n:.2f}", f"{ahead / n:.2f}", f"{adv / steps:.1f}",
+                  f"{adv / steps / span_us:.1%}"] for name, (n, dur, adv, ahead) in rows])
 
 
 if __name__ == "__main__":

@@ -136,7 +136,18 @@ SILU_MUL_MAX_K = {1: 8192, 2: 4096}
 # projection; engine batch-1 decode of Qwen3-0.6B 0.989 -> 0.888 ms/step. Llama-3.1-8B (K = 4096, N up
 # to 28672: many waves of programs) got slower with them, 6.04 -> 6.20 ms/step, so larger K keep the
 # pipelined K loop. PELLUCID_SKINNY_PRELOAD=0 turns whole-K tiles off (to measure them).
+# Up to K = 4096, matrices of at most 8 Mi weights (16 MiB in bf16, half the register file of a 132-SM
+# Hopper: every program resident at once) also take whole-K tiles, at 256 weights per thread (4 rows, 2
+# warps). Qwen3-30B-A3B's o projection [2048 x 4096] is one: the q/k norm, attention and its reduce before
+# it leave the memory bus idle for ~10 us, and its deep K tiles loaded only their first half there.
+# Measured on an H200 (2026-11-28, engine batch-1 decode, bf16; BENCHMARKS.md, issue 19, round 6):
+# Qwen3-30B-A3B 2.92 ms/step with the deep tiles; whole-K at 64 weights per thread 2.94, at 128 2.68, at
+# 256 2.58. Llama-3.1-8B's o [4096 x 4096] is past the bound: whole-K there measured no gain. (Counted in
+# weights: float32 weights take twice the registers and may spill; float32 decode is for checks.)
 PRELOAD_MAX_K = 3072
+PRELOAD_WIDE_MAX_K = 4096
+PRELOAD_WIDE_MAX_ELEMENTS = 8 * 2 ** 20
+PRELOAD_WIDE_ELEMENTS_PER_THREAD = 256
 PRELOAD_SILU_MAX_K = 8192          # the fused SiLU down projection, when its N is at most:
 PRELOAD_SILU_MAX_N = 2048
 PRELOAD_ELEMENTS_PER_THREAD = 64
@@ -152,7 +163,12 @@ DEEP_K_LONG = 8192
 def _preloads(m: int, n: int, k: int, silu_mul: bool) -> bool:
     if m != 1 or os.environ.get("PELLUCID_SKINNY_PRELOAD", "1") == "0":
         return False
-    return k <= PRELOAD_MAX_K or (silu_mul and k <= PRELOAD_SILU_MAX_K and n <= PRELOAD_SILU_MAX_N)
+    return (k <= PRELOAD_MAX_K or _preloads_wide(n, k, silu_mul)
+            or (silu_mul and k <= PRELOAD_SILU_MAX_K and n <= PRELOAD_SILU_MAX_N))
+
+
+def _preloads_wide(n: int, k: int, silu_mul: bool) -> bool:
+    return not silu_mul and PRELOAD_MAX_K < k <= PRELOAD_WIDE_MAX_K and n * k <= PRELOAD_WIDE_MAX_ELEMENTS
 
 
 def pick_config(m: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig | None:
@@ -162,8 +178,10 @@ def pick_config(m: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig 
     if _preloads(m, n, k, silu_mul):
         block_k = triton.next_power_of_2(k)
         block_n = 8 if k <= 1024 else 4 if k <= 4096 else 2
+        wide = _preloads_wide(n, k, silu_mul)
+        per_thread = PRELOAD_WIDE_ELEMENTS_PER_THREAD if wide else PRELOAD_ELEMENTS_PER_THREAD
         return SkinnyConfig(block_m=1, block_n=block_n, block_k=block_k,
-                            num_warps=max(1, block_n * block_k // (PRELOAD_ELEMENTS_PER_THREAD * 32)),
+                            num_warps=max(1, block_n * block_k // (per_thread * 32)),
                             num_stages=1, use_dot=False)
     if m == 1 and k > PRELOAD_MAX_K and n <= k and not silu_mul:
         # Deep K tiles (32 weights per thread) where a long K loop streams few output rows per program.

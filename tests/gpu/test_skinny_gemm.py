@@ -16,10 +16,12 @@ if __name__ == "__main__":     # run as a script (under the interpreter): make `
 
 from tests.gpu.check_support import assert_close, run_script_under_interpreter, triton_importable
 
-# [N, K] of the q/k/v (merged), o, gate/up (merged) and down projections of Qwen3-0.6B, Llama-3.2-1B, Llama-3.1-8B.
+# [N, K] of the q/k/v (merged), o, gate/up (merged) and down projections of Qwen3-0.6B, Llama-3.2-1B, Llama-3.1-8B,
+# then Qwen3-30B-A3B's q/k/v, o (a whole-K tile past K = 3072) and router.
 MODEL_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
                 (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192),
-                (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+                (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                (5120, 2048), (2048, 4096), (128, 2048)]
 ODD_SHAPES = [(40, 96), (33, 700), (130, 520), (7, 1030)]
 
 
