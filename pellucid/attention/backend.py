@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 
 from pellucid.attention.metadata import CommonAttentionMetadata
+from pellucid.attention.norm_rotary import QKNormRotary
 
 
 class AttentionBackend(ABC):
@@ -44,6 +45,17 @@ class AttentionBackend(ABC):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
         """Causal attention of query [T, heads, head_dim] over each request's cached prefix plus its
         own new tokens (already written by write_kv). Returns [T, heads, head_dim]."""
+
+    def fuses_qk_norm_rotary(self, metadata: Any) -> bool:
+        """True when `forward_qk_norm_rotary` can run the step `metadata` describes."""
+        return False
+
+    def forward_qk_norm_rotary(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float,
+                               norm_rotary: QKNormRotary) -> torch.Tensor:
+        """`forward` for a raw query [T, heads, head_dim], after applying Qwen3's q/k norm + rotary to it and to
+        norm_rotary.key, whose keys it also writes to the cache with norm_rotary.value
+        (pellucid.attention.norm_rotary). Only where `fuses_qk_norm_rotary(metadata)`."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not apply q/k norm + rotary itself")
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -10,6 +10,7 @@ from torch import nn
 
 from pellucid.attention.fused_kv_store import FusedKVStore
 from pellucid.attention.metadata import get_forward_context
+from pellucid.attention.norm_rotary import QKNormRotary
 
 
 class Attention(nn.Module):
@@ -54,6 +55,21 @@ class Attention(nn.Module):
         if kv_store is None or not kv_store.stored:
             ctx.backend.write_kv(key, value, kv_cache, ctx.attn_metadata.slot_mapping)
         output = ctx.backend.forward(query, kv_cache, ctx.backend_metadata, self.scale)
+        return output.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def fuses_qk_norm_rotary(self) -> bool:
+        """True when this step's backend applies Qwen3's q/k norm + rotary itself (`forward_qk_norm_rotary`)."""
+        ctx = get_forward_context()
+        return ctx.backend.fuses_qk_norm_rotary(ctx.backend_metadata)
+
+    def forward_qk_norm_rotary(self, query: torch.Tensor, norm_rotary: QKNormRotary) -> torch.Tensor:
+        """`forward` on the raw query [T, heads(*head_dim)] and norm_rotary's raw keys and values: the backend
+        norms and rotates them and stores the keys and values in the cache (pellucid.attention.norm_rotary)."""
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        ctx = get_forward_context()
+        output = ctx.backend.forward_qk_norm_rotary(query, ctx.kv_caches[self.layer_idx], ctx.backend_metadata,
+                                                    self.scale, norm_rotary)
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -2,7 +2,8 @@
 
 Decode-only steps (every request has one query token) run the split-KV decode kernel, whose
 split count is picked on the host from the batch shape so that small batches still fill the GPU.
-Any step with a prefill or chunked-prefill row runs the unified kernel over all rows (decode rows
+The decode kernel can also apply Qwen3's q/k norm + rotary and store the new K/V itself
+(`forward_qk_norm_rotary`, pellucid.attention.norm_rotary). Any step with a prefill or chunked-prefill row runs the unified kernel over all rows (decode rows
 included), so a mixed batch is one launch per layer. Both paths read only device tensors and
 host-known sizes, so a decode step with a fixed number of requests can be captured in a CUDA graph.
 """
@@ -15,6 +16,7 @@ import triton
 
 from pellucid.attention.backend import AttentionBackend, register_backend
 from pellucid.attention.metadata import CommonAttentionMetadata
+from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.attention.triton_kernels import decode_attention, unified_attention, write_kv
 from pellucid.logger import get_logger
 
@@ -107,6 +109,24 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata,
                 scale: float) -> torch.Tensor:
+        return self._attend(query, kv_cache, metadata, scale, None)
+
+    def fuses_qk_norm_rotary(self, metadata: TritonAttentionMetadata) -> bool:
+        # The split-KV decode kernel norms and rotates its heads and stores the new K/V itself; the unified
+        # kernel (prefill rows) does not.
+        return isinstance(metadata, TritonAttentionMetadata) and metadata.decode_only
+
+    def forward_qk_norm_rotary(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata,
+                               scale: float, norm_rotary: QKNormRotary) -> torch.Tensor:
+        if not self.fuses_qk_norm_rotary(metadata):
+            raise ValueError("the triton backend applies q/k norm + rotary itself only in decode-only steps")
+        norm_rotary.check(query)
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != norm_rotary.key.shape[1:]:
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not hold keys {tuple(norm_rotary.key.shape[1:])}")
+        return self._attend(query, kv_cache, metadata, scale, norm_rotary)
+
+    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float,
+                norm_rotary: QKNormRotary | None) -> torch.Tensor:
         if not isinstance(metadata, TritonAttentionMetadata):
             raise TypeError(f"triton attention got {type(metadata).__name__}; pass what its build_metadata returned")
         if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_dim):
@@ -126,7 +146,7 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
                              out, scale, metadata.num_splits, metadata.partial_out, metadata.partial_lse,
                              block_n=metadata.decode_block_n, num_warps=metadata.decode_num_warps,
-                             num_stages=self.decode_num_stages)
+                             num_stages=self.decode_num_stages, norm_rotary=norm_rotary)
         else:
             unified_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
                               out, scale, block_m=self.prefill_block_m, block_n=self.prefill_block_n,

@@ -25,7 +25,7 @@ def _triton_available() -> bool:
 
 KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down",
            "rotary_kv_store", "skinny_qkv_rotary", "skinny_gate_up_silu", "argmax", "moe", "snake_beta",
-           "top_k_race")
+           "top_k_race", "attention_qk_norm_rotary")
 # Each measured on an H100 (2026-11-23), Qwen3-0.6B shape, bf16, GPU time of one CUDA-graph decode
 # forward at batch 1 / 64 / 256 (pellucid bench latency, "graph forward ms"): none fused 3.98 / 4.90 ms;
 # rms_norm alone 2.52 / 3.15; rotary alone 3.18 / 4.04; silu_and_mul alone 3.94 / 4.85; all three
@@ -46,6 +46,8 @@ KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary
 # snake_beta: Qwen3-Omni code2wav's activation in one pass instead of seven launches (BENCHMARKS.md, issue 20).
 # top_k_race: the code predictor's draw of each code (argmax, or the race over its top-k / top-p set) in one
 # launch instead of a dozen (pellucid.kernels.top_k_race; BENCHMARKS.md, issue 20).
+# attention_qk_norm_rotary: in decode steps the attention kernel applies Qwen3's q/k norm + rotary and stores
+# the new K/V itself (pellucid.attention.norm_rotary); measured in BENCHMARKS.md, issue 19, round 7.
 DEFAULT_KERNELS = KERNELS
 
 

@@ -18,7 +18,10 @@ what no kernel of the step writes:
   tokens, which this step's KV write stores.
 Everything else (activations, this step's K/V, split-KV partials) is read after the wait. Every
 program waits before it exits, even one with nothing to do: a kernel whose programs all left early
-could complete before the kernel it follows, and its successor waits only for it. A kernel launched without PDL is unaffected (it starts after everything
+could complete before the kernel it follows, and its successor waits only for it. The one exception
+keeps that guarantee: programs with nothing to do may leave at once where other programs of the same
+grid always wait (the split-KV decode kernel's empty splits; split 0 of each request waits), since a
+grid completes only when all its programs have. A kernel launched without PDL is unaffected (it starts after everything
 before it), and a PDL kernel after a kernel that never releases simply starts when that one ends, so
 PDL kernels mix freely with cuBLAS and torch kernels.
 

@@ -22,6 +22,7 @@ from torch import nn
 from pellucid.attention.fused_kv_store import FusedKVStore
 from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
+from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.layers import (GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm, is_observed,
                                     merged_projections_enabled, qk_norm_rotary, skinny_gemm_applies)
@@ -97,6 +98,8 @@ class DecoderAttention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self._norm_rotary_in_attention(query):
+            return self.o_proj(self.attn.forward_qk_norm_rotary(query, self._qk_norm_rotary(key, value, positions)))
         # The rotary kernel may store K/V in the cache itself, unless a hook could still change them after it.
         kv_store = None
         if fused_kernels_enabled(query, "rotary_kv_store") and not is_observed(self.rotary_emb, self.attn):
@@ -106,6 +109,19 @@ class DecoderAttention(nn.Module):
         else:
             query, key = self.rotary_emb(positions, query, key, kv_store=kv_store)
         return self.o_proj(self.attn(query, key, value, kv_store=kv_store))
+
+    def _norm_rotary_in_attention(self, query: torch.Tensor) -> bool:
+        """Whether the attention backend applies the q/k norm + rotary and stores K/V itself (a decode step
+        on a backend that can, pellucid.attention.norm_rotary): only while no hook observes a module it skips."""
+        return (self.q_norm is not None and self.k_norm is not None
+                and fused_kernels_enabled(query, "attention_qk_norm_rotary")
+                and not is_observed(self.q_norm, self.k_norm, self.rotary_emb, self.attn)
+                and self.attn.fuses_qk_norm_rotary())
+
+    def _qk_norm_rotary(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> QKNormRotary:
+        assert self.q_norm is not None and self.k_norm is not None
+        return QKNormRotary(key, value, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon,
+                            self.k_norm.variance_epsilon, self.rotary_emb.cos_sin_cache, positions)
 
     def _rotary_in_projection(self, hidden_states: torch.Tensor) -> bool:
         """Whether rotary runs as the epilogue of the merged q/k/v GEMM (skinny_paired.qkv_rotary_linear):

@@ -1,5 +1,6 @@
 """Kernels that take over another kernel's work (the rotary kernels storing K/V in the cache, rotary and
-SiLU-and-mul as GEMM epilogues, the multi-program argmax): engines give the same greedy tokens with and without."""
+SiLU-and-mul as GEMM epilogues, the multi-program argmax, q/k norm + rotary inside decode attention): engines
+give the same greedy tokens with and without."""
 from __future__ import annotations
 
 import pytest
@@ -31,22 +32,28 @@ EPILOGUE_CASES = [
     ("skinny_qkv_rotary", "llama", (), "pellucid.kernels.skinny_paired", "qkv_rotary_linear"),
     ("skinny_gate_up_silu", "qwen3", ("skinny_silu_down",), "pellucid.kernels.skinny_paired", "gate_up_silu_linear"),
     ("argmax", "llama", (), "pellucid.kernels.argmax", "argmax_rows"),
+    ("attention_qk_norm_rotary", "qwen3", (), "pellucid.attention.triton_backend",
+     "TritonAttentionBackend.forward_qk_norm_rotary"),
 ]
 
 
 @pytest.mark.parametrize("kernel,arch,off,module,function", EPILOGUE_CASES)
 def test_engine_greedy_equal_with_and_without(tiny_model_factory, monkeypatch, kernel, arch, off, module, function):
     """Engines give the same greedy tokens (float32, chunked prefill and decode steps, CUDA graphs) with
-    rotary in the q/k/v GEMM, SiLU-and-mul in the gate/up GEMM or the multi-program argmax as without, and
+    rotary in the q/k/v GEMM, SiLU-and-mul in the gate/up GEMM, the multi-program argmax or q/k norm + rotary
+    in decode attention as without, and
     with it the kernel does run. float32: an epilogue may change the GEMM's summation order (last-bit
     differences), which in bf16 would flip the tiny random model's many near-ties."""
     import importlib
 
     from tests.gpu.test_gpu_engine import _generate, _prompts
     target = importlib.import_module(module)
-    original = getattr(target, function)
+    *owners, name = function.split(".")       # a function of the module, or a method of one of its classes
+    for owner in owners:
+        target = getattr(target, owner)
+    original = getattr(target, name)
     calls = []
-    monkeypatch.setattr(target, function, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(target, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
     model_dir = tiny_model_factory(arch, seed=5, num_hidden_layers=3)
     runs = {}
     for fused in (False, True):

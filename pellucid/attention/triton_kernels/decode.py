@@ -9,10 +9,14 @@ by their log-sum-exp.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
+from pellucid.attention.norm_rotary import QKNormRotary
+from pellucid.attention.triton_kernels.norm_rotary import norm_rotate, rotary_factors
 from pellucid.attention.triton_kernels.tile import attend_loaded, attend_tile, kv_tile_rows
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
 
@@ -28,10 +32,14 @@ def _decode_split_kernel(
     stride_out_t, stride_out_h,
     stride_po_req, stride_po_head, stride_po_split,
     stride_pl_req, stride_pl_head,
+    k_ptr, v_ptr, stride_k_t, stride_k_h, stride_v_t, stride_v_h, q_weight_ptr, k_weight_ptr, q_eps, k_eps,
+    cos_sin_ptr, stride_cs_kind, stride_cs_pos, positions_ptr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, IEEE_DOT: tl.constexpr,
-    PDL: tl.constexpr,
+    NORM_ROTARY: tl.constexpr, PDL: tl.constexpr,
 ):
+    """NORM_ROTARY: q_ptr, k_ptr and v_ptr are the raw projections of this step's tokens; the kernel applies
+    the q/k RMSNorm and rotary itself (see decode_attention) and stores the new K/V in the cache."""
     release_dependents(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -45,6 +53,11 @@ def _decode_split_kernel(
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     end = tl.where(q_end > q_row, end, 0)       # a padded request without a query row reads nothing
+    if (start >= seq_len) & (split > 0):
+        # An empty split (a context shorter than the split count captured for the longest one) leaves at
+        # once instead of holding its SM through the wait: the next kernels' programs (the o projection)
+        # become resident and load their weights there. Split 0 of every request still waits (pdl.py).
+        return
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -58,26 +71,44 @@ def _decode_split_kernel(
     earlier = (n_mask & (pos != newest))[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=earlier, other=0.0)
     v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=earlier, other=0.0)
-    newest_in_tile = (newest >= start) & (newest < tl.minimum(start + BLOCK_N, end))
-    newest_slot = tl.where(newest_in_tile, newest, 0)    # an index always inside the block-table row
+    holds_newest = (newest >= start) & (newest < end)
+    newest_slot = tl.where(holds_newest, newest, 0)      # an index always inside the block-table row
     newest_block = tl.load(block_table_row_ptr + newest_slot // BLOCK_SIZE)
     newest_row = newest_block.to(tl.int64) * stride_cache_block + (newest_slot % BLOCK_SIZE) * stride_cache_slot \
         + cache_head
+    if NORM_ROTARY:     # positions are step metadata and the norm weights and cos/sin table never change
+        partner, cos, sin = rotary_factors(cos_sin_ptr, stride_cs_kind, stride_cs_pos, positions_ptr + q_row, offs_d,
+                                           d_mask, HEAD_DIM, q_ptr)
+        q_w = tl.load(q_weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        q_wp = tl.load(q_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+        k_w = tl.load(k_weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        k_wp = tl.load(k_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
     wait_for_previous_kernel(PDL)
 
     if q_end <= q_row:
         return  # padded request without a query row: nothing to compute, nothing to write
-    if not DIRECT_OUTPUT:
-        if (start >= seq_len) & (split > 0):
-            return  # empty split: the reduce kernel reads only the non-empty ones
 
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q = tl.load(q_ptr + q_row * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    # newest_row is a valid row even when the newest position lies outside this tile; then no pos matches.
-    k_new = tl.load(k_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
-    v_new = tl.load(v_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    if NORM_ROTARY:
+        q = norm_rotate(q_ptr + q_row * stride_q_t + heads[:, None] * stride_q_h, q_mask, offs_d, partner, q_w, q_wp,
+                        q_eps, cos, sin, HEAD_DIM)
+        k_row = k_ptr + q_row * stride_k_t + kv_head * stride_k_h + tl.zeros([1, 1], tl.int64)
+        k_new = tl.reshape(norm_rotate(k_row, d_mask[None, :], offs_d, partner, k_w, k_wp, k_eps, cos, sin, HEAD_DIM),
+                           [BLOCK_D])
+        v_new = tl.load(v_ptr + q_row * stride_v_t + kv_head * stride_v_h + offs_d, mask=d_mask, other=0.0)
+        # The split holding the newest position stores its K/V; a later tile of this program reads it back
+        # from the cache, so the barrier makes the store visible to the whole program first.
+        store_mask = offs_d < tl.where(holds_newest, HEAD_DIM, 0)
+        tl.store(k_cache_ptr + newest_row + offs_d, k_new, mask=store_mask)
+        tl.store(v_cache_ptr + newest_row + offs_d, v_new, mask=store_mask)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + q_row * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :], mask=q_mask, other=0.0)
+        # newest_row is a valid row even when no position of this split is the newest; then no pos matches.
+        k_new = tl.load(k_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
+        v_new = tl.load(v_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
     is_newest = (pos == newest)[:, None]
     k = tl.where(is_newest, k_new[None, :], k)
     v = tl.where(is_newest, v_new[None, :], v)
@@ -154,13 +185,17 @@ def decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor, scale: float,
     num_splits: int, partial_out: torch.Tensor | None, partial_lse: torch.Tensor | None,
-    block_n: int, num_warps: int, num_stages: int,
+    block_n: int, num_warps: int, num_stages: int, norm_rotary: QKNormRotary | None = None,
 ) -> None:
     """query/out: [T, heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim].
 
     Row query_start_loc[r] of `out` is written for each request r with one query row.
     partial_out [R, heads, num_splits, head_dim] and partial_lse [R, heads, num_splits] (float32) are
     the split workspace, needed when num_splits > 1.
+    With `norm_rotary`, query and norm_rotary.key / .value are this step's raw projections: each program
+    norms and rotates its query heads and the new key itself, and the program whose split holds a request's
+    newest position stores its key and value in the cache (at the position's block-table slot), so no
+    separate q/k norm + rotary kernel or KV write runs.
     """
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -182,10 +217,11 @@ def decode_attention(
         out.stride(0), out.stride(1),
         0 if direct else po.stride(0), 0 if direct else po.stride(1), 0 if direct else po.stride(2),
         0 if direct else pl.stride(0), 0 if direct else pl.stride(1),
+        **_norm_rotary_args(norm_rotary, query),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT_OUTPUT=direct,
-        IEEE_DOT=query.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch_options(query),
+        IEEE_DOT=query.dtype == torch.float32, NORM_ROTARY=norm_rotary is not None, num_warps=num_warps,
+        num_stages=num_stages, **pdl_launch_options(query),
     )
     if direct:
         return
@@ -198,3 +234,17 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
         num_warps=4 if head_dim >= 128 else 2, **pdl_launch_options(query),
     )
+
+
+def _norm_rotary_args(norm_rotary: QKNormRotary | None, query: torch.Tensor) -> dict[str, Any]:
+    """The split kernel's q/k norm + rotary arguments (placeholders without norm_rotary)."""
+    if norm_rotary is None:
+        return {"k_ptr": query, "v_ptr": query, "stride_k_t": 0, "stride_k_h": 0, "stride_v_t": 0, "stride_v_h": 0,
+                "q_weight_ptr": query, "k_weight_ptr": query, "q_eps": 0.0, "k_eps": 0.0, "cos_sin_ptr": query,
+                "stride_cs_kind": 0, "stride_cs_pos": 0, "positions_ptr": query}
+    n = norm_rotary
+    return {"k_ptr": n.key, "v_ptr": n.value, "stride_k_t": n.key.stride(0), "stride_k_h": n.key.stride(1),
+            "stride_v_t": n.value.stride(0), "stride_v_h": n.value.stride(1), "q_weight_ptr": n.q_weight,
+            "k_weight_ptr": n.k_weight, "q_eps": n.q_eps, "k_eps": n.k_eps, "cos_sin_ptr": n.cos_sin_cache,
+            "stride_cs_kind": n.cos_sin_cache.stride(0), "stride_cs_pos": n.cos_sin_cache.stride(1),
+            "positions_ptr": n.positions}

@@ -1,0 +1,39 @@
+"""Qwen3's q/k RMSNorm + rotary for whole heads held by an attention program (the fused decode path).
+
+The same arithmetic and roundings as pellucid.kernels.qk_norm_rotary (HF RMSNorm: the normed row rounded to
+the activation dtype, times the weight, rounded again; then the neox / rotate_half rotation with cos/sin and
+each product rounded to the activation dtype), on [rows, BLOCK_D] tiles of whole heads: each element's
+rotate_half partner (d + D/2 or d - D/2) is loaded alongside it, so no tile is split or reassembled.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rotary_factors(cos_sin_ptr, stride_cs_kind, stride_cs_pos, position_ptr, offs_d, d_mask, HEAD_DIM: tl.constexpr,
+                   x_ptr):
+    """(rotate_half partner index of each d, cos, sin at the token's position) [BLOCK_D]; cos/sin rounded to
+    x's dtype and held in float32."""
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+    position = tl.load(position_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + position * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + stride_cs_kind + position * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
+    dtype = x_ptr.dtype.element_ty
+    return partner, cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def norm_rotate(row_ptrs, mask, offs_d, partner, weight, weight_partner, eps, cos, sin, HEAD_DIM: tl.constexpr):
+    """rotary(rms_norm(x)) of the heads starting at row_ptrs [R, 1], in their dtype [R, BLOCK_D]."""
+    dtype = row_ptrs.dtype.element_ty
+    x = tl.load(row_ptrs + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(row_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+    normed = (weight[None, :] * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    normed_partner = (weight_partner[None, :] * (x_partner * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)[None, :]
+    out = (normed * cos[None, :]).to(dtype).to(tl.float32) + (sign * normed_partner * sin[None, :]).to(dtype).to(tl.float32)
+    return out.to(dtype)
