@@ -77,7 +77,7 @@ def _decode_split_kernel(
     newest_row = newest_block.to(tl.int64) * stride_cache_block + (newest_slot % BLOCK_SIZE) * stride_cache_slot \
         + cache_head
     if NORM_ROTARY:     # positions are step metadata and the norm weights and cos/sin table never change
-        partner, cos, sin = rotary_factors(cos_sin_ptr, stride_cs_kind, stride_cs_pos, positions_ptr + q_row, offs_d,
+        partner, cos, sin = rotary_factors(cos_sin_ptr, stride_cs_kind, stride_cs_pos, positions_ptr, q_row, offs_d,
                                            d_mask, HEAD_DIM, q_ptr)
         q_w = tl.load(q_weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
         q_wp = tl.load(q_weight_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)

@@ -10,19 +10,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pellucid.kernels.rotary import token_cos_sin
+
 
 @triton.jit
-def rotary_factors(cos_sin_ptr, stride_cs_kind, stride_cs_pos, position_ptr, offs_d, d_mask, HEAD_DIM: tl.constexpr,
-                   x_ptr):
-    """(rotate_half partner index of each d, cos, sin at the token's position) [BLOCK_D]; cos/sin rounded to
-    x's dtype and held in float32."""
+def rotary_factors(cos_sin_ptr, stride_cs_kind, stride_cs_pos, positions_ptr, token, offs_d, d_mask,
+                   HEAD_DIM: tl.constexpr, x_ptr):
+    """(rotate_half partner index of each d [BLOCK_D], cos and sin [1, BLOCK_D] at the token's position as
+    rotary.token_cos_sin gives them)."""
     half: tl.constexpr = HEAD_DIM // 2
     partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
-    position = tl.load(position_ptr).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + position * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + stride_cs_kind + position * stride_cs_pos + offs_d, mask=d_mask, other=0.0)
-    dtype = x_ptr.dtype.element_ty
-    return partner, cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+    cos, sin = token_cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs_kind, stride_cs_pos, offs_d, d_mask, x_ptr)
+    return partner, cos, sin
 
 
 @triton.jit
@@ -35,5 +34,5 @@ def norm_rotate(row_ptrs, mask, offs_d, partner, weight, weight_partner, eps, co
     normed = (weight[None, :] * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     normed_partner = (weight_partner[None, :] * (x_partner * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)[None, :]
-    out = (normed * cos[None, :]).to(dtype).to(tl.float32) + (sign * normed_partner * sin[None, :]).to(dtype).to(tl.float32)
+    out = (normed * cos).to(dtype).to(tl.float32) + (sign * normed_partner * sin).to(dtype).to(tl.float32)
     return out.to(dtype)
