@@ -71,7 +71,7 @@ def main() -> None:
         print("restaged the step inputs of size", size)
     if args.eager_first:
         from pellucid.attention.metadata import forward_context
-        captured = graphs._graphs[size]
+        captured = graphs._graphs[(size, graphs.length_for(size, None))]
         input_ids = bufs.staging.copy(size, size).input_ids      # the host view again (async fed ids become 0)
         with torch.inference_mode(), forward_context(captured.context):
             core.runner.model(input_ids)

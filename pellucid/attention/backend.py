@@ -46,6 +46,14 @@ class AttentionBackend(ABC):
         """Causal attention of query [T, heads, head_dim] over each request's cached prefix plus its
         own new tokens (already written by write_kv). Returns [T, heads, head_dim]."""
 
+    def decode_graph_lengths(self, num_reqs: int, max_model_len: int) -> list[int]:
+        """The longest-sequence lengths, ascending and ending at max_model_len, at which to capture the decode
+        CUDA graphs of `num_reqs` requests (pellucid/runner/cuda_graphs.py): a replayed step whose longest
+        sequence has L tokens runs the graph of the first length >= L, whose metadata was built with that
+        length as max_seq_len. A backend whose decode launch shape follows the length offers several; by
+        default one graph per batch size serves every length."""
+        return [max_model_len]
+
     def fuses_qk_norm_rotary(self, metadata: Any) -> bool:
         """True when `forward_qk_norm_rotary` can run the step `metadata` describes."""
         return False

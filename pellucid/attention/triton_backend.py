@@ -37,8 +37,9 @@ class TritonAttentionMetadata:
 
 @register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
-    # Graph-safe (see module docstring). The runner builds the metadata once per captured size with
-    # max_seq_len = max_model_len and replays it; build_metadata's split workspaces live with the graph.
+    # Graph-safe (see module docstring). The runner builds the metadata once per captured graph, with
+    # max_seq_len one of decode_graph_lengths, and replays it; build_metadata's split workspaces live with
+    # the graph.
     supports_cuda_graphs = True
     kv_write_is_plain_store = True      # write_kv is kv_write.py's slot store
     # Tuning knobs, chosen from measurements on an H100 (benchmarks/attention_bench.py): wide KV tiles
@@ -77,7 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         decode_only = common.max_query_len <= 1
         num_covered_rows = int(common.query_start_loc_cpu[common.num_reqs])
-        num_splits = self._decode_num_splits(common) if decode_only else 1
+        num_splits = self._decode_num_splits(common.num_reqs, common.max_seq_len) if decode_only else 1
         partial_out = partial_lse = None
         if num_splits > 1:
             device = common.query_start_loc.device
@@ -91,17 +92,30 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata(common, decode_only, num_splits, block_n, num_warps, num_covered_rows,
                                        partial_out, partial_lse)
 
-    def _decode_num_splits(self, common: CommonAttentionMetadata) -> int:
+    def _decode_num_splits(self, num_reqs: int, max_seq_len: int) -> int:
         """Enough programs to fill the GPU, but no split shorter than decode_min_tokens_per_split.
 
         Any count is correct for any sequence length (boundaries are computed on the device); under
         CUDA graphs the count captured is the one replayed, so capture with max_seq_len set to the
-        longest length the graph will serve.
+        longest length the graph will serve (decode_graph_lengths).
         """
-        programs = max(1, common.num_reqs * self.num_kv_heads)
+        programs = max(1, num_reqs * self.num_kv_heads)
         wanted = triton.cdiv(self.decode_programs_per_sm * self.num_sms, programs)
-        by_length = triton.cdiv(max(common.max_seq_len, 1), self.decode_min_tokens_per_split)
+        by_length = triton.cdiv(max(max_seq_len, 1), self.decode_min_tokens_per_split)
         return max(1, min(wanted, by_length, self.decode_max_splits))
+
+    def decode_graph_lengths(self, num_reqs: int, max_model_len: int) -> list[int]:
+        """One graph per power-of-two split count below the one max_model_len takes, each for the lengths that
+        count covers. Splits past a request's length still launch and leave, and cost: Qwen3-30B-A3B, batch 1,
+        200-token contexts, 2.469 ms/step with 2 splits captured, 2.536 with 8, 2.557 with 32 (H200,
+        BENCHMARKS.md issue 19 round 8). With one split there is no reduce kernel either."""
+        longest = self._decode_num_splits(num_reqs, max_model_len)
+        lengths = []
+        splits = 1
+        while splits < longest:
+            lengths.append(splits * self.decode_min_tokens_per_split)
+            splits *= 2
+        return [n for n in lengths if n < max_model_len] + [max_model_len]
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

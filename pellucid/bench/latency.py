@@ -75,12 +75,13 @@ def _graph_forward_seconds(core, batch: int) -> float | None:
     if graphs is None or batch not in graphs.sizes:
         return None
     restage_for_replay(core.runner.buffers.staging, batch)
+    longest = int(core.runner.buffers.seq_lens.np[:batch].max())    # the graph those steps replayed
     for _ in range(3):
-        graphs.replay(batch)
+        graphs.replay(batch, max_seq_len=longest)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(20):
-        graphs.replay(batch)
+        graphs.replay(batch, max_seq_len=longest)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 20 * 1e-3

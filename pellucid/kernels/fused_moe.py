@@ -5,7 +5,8 @@ Per MoE layer (pellucid.models.moe calls these while `fused_kernels_enabled(x, "
 2. `route_and_align`: softmax, top-k, renormalisation, then the entries grouped by expert in blocks of
    `block_m` rows (moe_routing.py, two launches);
 3. `fused_experts`: the gate/up grouped GEMM with SiLU-and-mul, the down grouped GEMM weighted by the
-   routing weights, and the sum over each token's experts (moe_gemm.py).
+   routing weights, and the sum over each token's experts (moe_gemm.py). `fused_expert_rows` stops before
+   the sum, for a residual add + RMSNorm that sums the rows itself (pellucid.kernels.add_rms_norm).
 
 Nothing reads device values on the host: buffer sizes and grids depend on the token count alone, so a
 CUDA graph captured for a batch size replays any routing, and steps launched ahead never wait.
@@ -78,6 +79,14 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
 
     x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids and weights [T, k]. `layout`: the one route_and_align
     made for these ids (made here when absent or laid out for other tiles)."""
+    return sum_top_k(fused_expert_rows(x, gate_up, down, ids, weights, layout, tiles), ids.shape[0], ids.shape[1])
+
+
+def fused_expert_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor, layout: ExpertLayout | None = None, tiles: MoeTiles | None = None
+                      ) -> torch.Tensor:
+    """fused_experts before its top-k sum: [T * k, H], row t * k + j = weights[t, j] * expert ids[t, j]'s output
+    for token t (pellucid.kernels.add_rms_norm.add_top_k_rms_norm sums them with the residual add)."""
     num_tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     if x.dtype not in SUPPORTED_DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
@@ -90,5 +99,4 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     if layout is None or layout.block_m != tiles.block_m:
         layout = layout_for(ids, num_experts, tiles.block_m)
     h = gate_up_silu(x, gate_up, layout, tiles.gate_up)
-    y = down_weighted(h, down, weights.contiguous(), layout, tiles.down)
-    return sum_top_k(y, num_tokens, top_k)
+    return down_weighted(h, down, weights.contiguous(), layout, tiles.down)

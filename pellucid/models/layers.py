@@ -14,6 +14,7 @@ the module-by-module path runs and every HuggingFace site fires with its exact v
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -167,15 +168,52 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + x, norm(residual + x)) in one kernel on CUDA, without calling `norm`'s module.
+@dataclass(frozen=True)
+class TopKRows:
+    """An MLP output left unsummed: token t's output is the sum of rows[t * top_k : (t + 1) * top_k] ([T * top_k,
+    hidden]; a mixture of experts' weighted expert outputs). The residual add + RMSNorm after it sums them."""
+
+    rows: torch.Tensor
+    top_k: int
+
+    def summed(self) -> torch.Tensor:
+        """[T, hidden]: each token's rows added in float32 in row order, rounded once (as the fused kernels do)."""
+        rows = self.rows.view(-1, self.top_k, self.rows.shape[-1])
+        total = rows[:, 0].to(torch.float32)
+        for j in range(1, self.top_k):
+            total = total + rows[:, j].to(torch.float32)
+        return total.to(self.rows.dtype)
+
+
+class TopKRowsMlp(nn.Module):
+    """An MLP whose output is a per-token sum of top_k rows and that can hand over the rows unsummed.
+
+    A decoder layer whose residual add + RMSNorm follows the MLP asks `top_k_rows_apply(x)`; when it says
+    yes, it calls `forward_top_k_rows(x)` instead of the module, and the add + norm kernel sums the rows
+    (pellucid.kernels.add_rms_norm.add_top_k_rms_norm): the MLP's own top-k sum launch is gone. An
+    implementation says yes only while no hook observes a module the call skips (its own output included).
+    """
+
+    def top_k_rows_apply(self, x: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def forward_top_k_rows(self, x: torch.Tensor) -> TopKRows:
+        raise NotImplementedError
+
+
+def add_rms_norm(x: torch.Tensor | TopKRows, residual: torch.Tensor, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, norm(residual + x)) in one kernel on CUDA, without calling `norm`'s module; x may be
+    a TopKRows, summed first.
 
     Callers use it only while `norm` is not observed (`is_observed`); it does not fire norm's hooks.
     """
-    if fused_kernels_enabled(x, "add_rms_norm"):
-        from pellucid.kernels.add_rms_norm import add_rms_norm as fused_add_rms_norm
-        return fused_add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
-    total = residual + x
+    if fused_kernels_enabled(residual, "add_rms_norm"):
+        from pellucid.kernels import add_rms_norm as kernels
+        if isinstance(x, TopKRows):
+            return kernels.add_top_k_rms_norm(x.rows, x.top_k, residual, norm.weight, norm.variance_epsilon)
+        return kernels.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+    total = residual + (x.summed() if isinstance(x, TopKRows) else x)
     return total, rms_norm(total, norm.weight, norm.variance_epsilon)
 
 

@@ -8,8 +8,8 @@ the runner applies the LM head (`lm_head`) through pellucid.heads.
 Fewer kernels per layer while nothing is traced (each step falls back to the module-by-module code
 when `is_observed` reports a hook on a module it would skip): q/k/v and gate/up each run as one GEMM
 over merged weights; each residual add is fused with the RMSNorm that follows it (the
-post-attention norm, and the next layer's input norm or the final norm); Qwen3's q/k norms are fused
-with rotary.
+post-attention norm, and the next layer's input norm or the final norm), and a mixture of experts leaves
+its top-k sum to that add (layers.TopKRowsMlp); Qwen3's q/k norms are fused with rotary.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
 from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.kernels import fused_kernels_enabled
-from pellucid.models.layers import (GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, add_rms_norm, is_observed,
-                                    merged_projections_enabled, qk_norm_rotary, skinny_gemm_applies)
+from pellucid.models.layers import (GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, TopKRowsMlp, add_rms_norm,
+                                    is_observed, merged_projections_enabled, qk_norm_rotary, skinny_gemm_applies)
 from pellucid.models.parallel_layers import (column_linear, lm_head_linear, mark_sites, row_linear, unit_shard,
                                              vocab_embedding)
 from pellucid.models.registry import register_model
@@ -192,10 +192,11 @@ class DecoderLayer(nn.Module):
             normed = self.post_attention_layernorm(residual)
         else:
             residual, normed = add_rms_norm(attn_out, residual, self.post_attention_layernorm)
-        mlp_out = self.mlp(normed)
         if next_norm is None:
-            return residual + mlp_out, None
-        return add_rms_norm(mlp_out, residual, next_norm)
+            return residual + self.mlp(normed), None
+        if isinstance(self.mlp, TopKRowsMlp) and self.mlp.top_k_rows_apply(normed):
+            return add_rms_norm(self.mlp.forward_top_k_rows(normed), residual, next_norm)  # sums the experts' rows
+        return add_rms_norm(self.mlp(normed), residual, next_norm)
 
 
 class DecoderModel(nn.Module):

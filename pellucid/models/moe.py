@@ -34,7 +34,7 @@ from torch import nn
 
 from pellucid.distributed.parallel_state import get_tensor_parallel
 from pellucid.kernels import fused_kernels_enabled
-from pellucid.models.layers import GatedMLP, Linear, is_observed
+from pellucid.models.layers import GatedMLP, Linear, TopKRows, TopKRowsMlp, is_observed
 from pellucid.models.parallel_layers import unit_shard
 
 
@@ -138,6 +138,15 @@ class FusedExperts(nn.Module):
             out = tp.all_reduce(out)
         return out
 
+    def forward_rows(self, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     layout: Any = None) -> TopKRows:
+        """The fused kernels' output before their top-k sum (SparseMoeBlock.forward_top_k_rows); one rank only."""
+        if not fused_kernels_enabled(hidden_states, "moe") or self.shard is not None:
+            raise ValueError("the experts' unsummed rows exist only on the fused kernels' path, on one rank")
+        from pellucid.kernels.fused_moe import fused_expert_rows
+        rows = fused_expert_rows(hidden_states, self.gate_up_proj, self.down_proj, ids, weights, layout)
+        return TopKRows(rows, ids.shape[1])
+
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
@@ -164,8 +173,12 @@ class FusedExperts(nn.Module):
         return f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
 
 
-class SparseMoeBlock(nn.Module):
-    """`mlp` of a mixture-of-experts layer: experts(x, route(gate(x))) [+ sigmoid(shared_expert_gate(x)) * shared_expert(x)]."""
+class SparseMoeBlock(TopKRowsMlp):
+    """`mlp` of a mixture-of-experts layer: experts(x, route(gate(x))) [+ sigmoid(shared_expert_gate(x)) * shared_expert(x)].
+
+    Without a shared expert, on one rank and on the fused kernels' path it can hand its experts' rows to the
+    residual add + RMSNorm after it unsummed (TopKRowsMlp), while neither it nor `experts` is observed.
+    """
 
     def __init__(self, spec: MoeSpec, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -182,16 +195,25 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False, **factory)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden_states, *self._route(hidden_states))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(hidden_states)
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+        return out
+
+    def top_k_rows_apply(self, x: torch.Tensor) -> bool:
+        return (self.shared_expert is None and self.experts.shard is None and fused_kernels_enabled(x, "moe")
+                and fused_kernels_enabled(x, "add_rms_norm_top_k") and not is_observed(self, self.experts))
+
+    def forward_top_k_rows(self, x: torch.Tensor) -> TopKRows:
+        return self.experts.forward_rows(x, *self._route(x))
+
+    def _route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(expert ids [T, k], routing weights [T, k], the fused kernels' token layout or None)."""
         logits = self.gate(hidden_states)
         if is_observed(self.routing):
             # The experts run for the largest weights of the (possibly edited) routing decision: the chosen
             # experts, or those of them an edit kept (the others weigh 0 and add nothing).
             weights, ids = self.routing(logits).topk(self.spec.top_k, dim=-1)
-            layout = None
-        else:
-            ids, weights, layout = self.routing.route(logits)
-        out = self.experts(hidden_states, ids, weights, layout)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert(hidden_states)
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
-        return out
+            return ids, weights, None
+        return self.routing.route(logits)

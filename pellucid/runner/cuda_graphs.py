@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps: one captured model forward per batch size, padded to the next one.
+"""CUDA graphs for decode-only steps: captured model forwards per batch size, padded to the next one.
 
 A graph replays fixed device addresses, so every input lives at a fixed place: the step's views into
 the device staging region (token ids, positions, request map, slot mapping, query starts, sequence
@@ -8,8 +8,13 @@ copy, into the views captured at that size) and launches the graph.
 
 Padding: a decode batch of n requests runs the graph of the smallest captured size B >= n with B - n
 dummy requests of one token each, slot -1 (no cache write) and seq_len 0 (attention returns zeros for
-them, never NaN). The split count of split-KV decode is captured with max_seq_len = max_model_len, the
-longest length a replay can serve.
+them, never NaN).
+
+Lengths: the attention metadata of a graph is built for a longest sequence length, and a backend whose
+decode launch follows it (split-KV decode's split count) asks for several graphs per size
+(`AttentionBackend.decode_graph_lengths`, ending at max_model_len); a step replays the graph of the first
+length >= its longest sequence. Short contexts then launch few splits instead of the count the longest
+length needs.
 
 A step runs eagerly when it has a prefill row, more requests than the largest graph, a traced request
 whose ops are not all tracing taps (or any request extras key registered with
@@ -25,6 +30,7 @@ which every replayed step refreshes (device copies, no sync).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Hashable, Iterator, Protocol
@@ -139,11 +145,13 @@ class DecodeCudaGraphs:
         prepare = getattr(model, "prepare_cuda_graphs", None)
         if prepare is not None:
             prepare(self.sizes[-1], buffers.max_num_tokens)
-        self._graphs: dict[int, _CapturedGraph] = {}
+        self._graphs: dict[tuple[int, int], _CapturedGraph] = {}     # (size, longest length) -> graph
+        self._lengths: dict[int, list[int]] = {}                        # size -> its graphs' lengths, ascending
         self._pool: Any = None
         self._capture_stream: torch.cuda.Stream | None = None
         self.num_replays = 0                 # counters for tests and benchmarks
         self.replayed_sizes: set[int] = set()
+        self.replayed_graphs: set[tuple[int, int]] = set()      # (size, length) of the graphs replayed
         # ---- tracing tap variants (begin; pellucid/tracing/taps.py) ----
         # (size, tap key) -> a graph captured with the step's tap hooks, captured on first use.
         self._tap_graphs: dict[tuple[int, Hashable], _CapturedGraph] = {}
@@ -174,18 +182,25 @@ class DecodeCudaGraphs:
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every size and length, largest first so the smaller graphs reuse its memory pool."""
         if self._graphs:
             raise RuntimeError("CUDA graphs were already captured for this runner")
         self._pool = torch.cuda.graph_pool_handle()
         self._capture_stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
-            self._graphs[size] = self._capture_one(size, kv_caches)
+            lengths = self.backend.decode_graph_lengths(size, self.max_model_len)
+            if not lengths or lengths[-1] != self.max_model_len or lengths != sorted(set(lengths)):
+                raise ValueError(f"decode_graph_lengths({size}, {self.max_model_len}) gave {lengths}: it must ascend "
+                                 "to max_model_len")
+            self._lengths[size] = lengths
+            for length in reversed(lengths):
+                self._graphs[(size, length)] = self._capture_one(size, kv_caches, max_seq_len=length)
         self.buffers.invalidate_rows()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        logger.info("captured CUDA graphs for decode batch sizes %s (%d graphs)", self.sizes, len(self._graphs))
 
-    def _capture_one(self, size: int, kv_caches: list[torch.Tensor],
-                     hooks: Callable[[int], Any] | None = None) -> _CapturedGraph:
+    def _capture_one(self, size: int, kv_caches: list[torch.Tensor], hooks: Callable[[int], Any] | None = None,
+                     max_seq_len: int | None = None) -> _CapturedGraph:
+        """One graph of `size` requests for sequences of up to max_seq_len tokens (default max_model_len)."""
         bufs = self.buffers
         bufs.input_ids.np[:size] = 0
         bufs.positions.np[:size] = 0
@@ -200,7 +215,7 @@ class DecodeCudaGraphs:
         # addresses the graph bakes, are those of every later step of this size.
         inputs = bufs.staging.copy(size, size)
         common = CommonAttentionMetadata(
-            num_reqs=size, num_tokens=size, max_query_len=1, max_seq_len=self.max_model_len,
+            num_reqs=size, num_tokens=size, max_query_len=1, max_seq_len=max_seq_len or self.max_model_len,
             block_size=self.block_size,
             query_start_loc=inputs.query_start_loc,
             seq_lens=inputs.seq_lens,
@@ -226,6 +241,16 @@ class DecodeCudaGraphs:
                 output = self.model(input_ids)
         return _CapturedGraph(graph, output, context)
 
+    def length_for(self, size: int, max_seq_len: int | None) -> int:
+        """The length of the graph of `size` that serves a longest sequence of max_seq_len tokens."""
+        lengths = self._lengths[size]
+        if max_seq_len is None:
+            return lengths[-1]
+        index = bisect.bisect_left(lengths, max_seq_len)
+        if index == len(lengths):
+            raise ValueError(f"a sequence of {max_seq_len} tokens is longer than max_model_len {lengths[-1]}")
+        return lengths[index]
+
     # ---- tracing tap variants (begin) ----
     @torch.inference_mode()
     def ensure_variant(self, size: int, key: Hashable, hooks: Callable[[int], Any],
@@ -247,8 +272,10 @@ class DecodeCudaGraphs:
         return True
     # ---- tracing tap variants (end) ----
 
-    def replay(self, size: int, tap_key: Hashable = (), extras: dict[str, Any] | None = None) -> torch.Tensor:
-        """Run the graph of `size` (captured with the taps of `tap_key`, if any); its inputs must already
+    def replay(self, size: int, tap_key: Hashable = (), extras: dict[str, Any] | None = None,
+               max_seq_len: int | None = None) -> torch.Tensor:
+        """Run the graph of `size` for the step's longest sequence, max_seq_len tokens (None: max_model_len),
+        or the one captured with the taps of `tap_key` (those serve every length); its inputs must already
         be copied (build_step_batch padded to `size`); `extras`, the step's forward-context extras, go to
         the model's fixed buffers first (GraphStepInputs). Returns [size, hidden]."""
         if extras:
@@ -257,7 +284,12 @@ class DecodeCudaGraphs:
                 raise RuntimeError(f"a graph step carries forward-context extras {sorted(extras)} that "
                                    f"{type(self.model).__name__} cannot take inside its graphs")
             load(size, extras)
-        captured = self._tap_graphs[(size, tap_key)] if tap_key else self._graphs[size]
+        if tap_key:
+            captured = self._tap_graphs[(size, tap_key)]
+        else:
+            key = (size, self.length_for(size, max_seq_len))
+            captured = self._graphs[key]
+            self.replayed_graphs.add(key)
         self.num_tap_replays += bool(tap_key)
         captured.graph.replay()
         self.num_replays += 1

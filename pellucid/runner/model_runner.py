@@ -292,7 +292,7 @@ class ModelRunner:
         if trace is not None:
             trace.prepare(batch.num_padded_tokens, graph=graph_size is not None)
         if graph_size is not None:
-            hidden = self.cuda_graphs.replay(graph_size, graph_key, extras)
+            hidden = self.cuda_graphs.replay(graph_size, graph_key, extras, max_seq_len=batch.attn.max_seq_len)
             if trace is not None:
                 trace.after_replay()
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 from pellucid.models import layers
@@ -28,6 +29,30 @@ def check_add_rms_norm(device: str, dtype: torch.dtype, seed: int) -> None:
         else:                                            # one rounding of one sum, as torch's add: exact
             torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
         assert_close(normed, w * _normalise(ref_total, 1e-6), dtype, f"add_rms_norm {rows}x{hidden} {dtype}")
+
+
+def check_add_top_k_rms_norm(device: str, dtype: torch.dtype, seed: int) -> None:
+    """Each token's top_k rows summed (float32, in row order, rounded once: moe_gemm.sum_top_k's rounding), then
+    the residual add + norm; against torch."""
+    from pellucid.kernels.add_rms_norm import add_rms_norm, add_top_k_rms_norm
+    from pellucid.kernels.moe_gemm import sum_top_k
+    g = torch.Generator().manual_seed(seed)
+    for tokens, top_k, hidden in [(1, 8, 2048), (5, 2, 64), (3, 3, 96)]:
+        rows = (torch.randn(tokens * top_k, hidden, generator=g) * 2).to(dtype).to(device)
+        residual = (torch.randn(tokens, hidden, generator=g) * 5).to(dtype).to(device)
+        w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
+        total, normed = add_top_k_rms_norm(rows, top_k, residual, w, 1e-6)
+        summed = rows.view(tokens, top_k, hidden).to(torch.float64).sum(1).to(dtype)
+        what = f"add_top_k_rms_norm {tokens}x{top_k}x{hidden} {dtype}"
+        assert_close(total, residual + summed, dtype, what + " sum")
+        assert_close(normed, w * _normalise(residual + summed, 1e-6), dtype, what)
+        if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter truncates bf16 instead of rounding
+            # the MoE block's two launches (its top-k sum, then the add + norm) give the same bits
+            total_2, normed_2 = add_rms_norm(sum_top_k(rows, tokens, top_k), residual, w, 1e-6)
+            torch.testing.assert_close(total, total_2, rtol=0, atol=0)
+            torch.testing.assert_close(normed, normed_2, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rows"):
+        add_top_k_rms_norm(rows[1:], top_k, residual, w, 1e-6)
 
 
 def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,6 +107,7 @@ def run_all(device: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for seed in range(3):
             check_add_rms_norm(device, dtype, seed)
+            check_add_top_k_rms_norm(device, dtype, seed)
             check_qk_norm_rotary(device, dtype, seed)
 
 

@@ -34,14 +34,15 @@ EPILOGUE_CASES = [
     ("argmax", "llama", (), "pellucid.kernels.argmax", "argmax_rows"),
     ("attention_qk_norm_rotary", "qwen3", (), "pellucid.attention.triton_backend",
      "TritonAttentionBackend.forward_qk_norm_rotary"),
+    ("add_rms_norm_top_k", "qwen3-moe", (), "pellucid.kernels.add_rms_norm", "add_top_k_rms_norm"),
 ]
 
 
 @pytest.mark.parametrize("kernel,arch,off,module,function", EPILOGUE_CASES)
 def test_engine_greedy_equal_with_and_without(tiny_model_factory, monkeypatch, kernel, arch, off, module, function):
     """Engines give the same greedy tokens (float32, chunked prefill and decode steps, CUDA graphs) with
-    rotary in the q/k/v GEMM, SiLU-and-mul in the gate/up GEMM, the multi-program argmax or q/k norm + rotary
-    in decode attention as without, and
+    rotary in the q/k/v GEMM, SiLU-and-mul in the gate/up GEMM, the multi-program argmax, q/k norm + rotary
+    in decode attention or a mixture of experts' top-k sum in the next add + RMSNorm as without, and
     with it the kernel does run. float32: an epilogue may change the GEMM's summation order (last-bit
     differences), which in bf16 would flip the tiny random model's many near-ties."""
     import importlib

@@ -45,3 +45,21 @@ def test_size_for_matches_the_rule_on_random_steps():
         model_keys = rng.choice([frozenset(), frozenset({"needs_hooks"})])
         assert DecodeCudaGraphs.size_for(_graphs(sizes, model_keys), so, handled) == \
             _reference(sizes, so, handled, model_keys)
+
+
+def test_length_for_picks_the_shortest_graph_that_holds_the_step():
+    """A step replays the graph of the first captured length >= its longest sequence (brute force)."""
+    rng = random.Random(1)
+    for _ in range(200):
+        longest = rng.randint(1, 5000)
+        lengths = sorted(set(rng.sample(range(1, longest), min(rng.randint(0, 5), longest - 1)))) + [longest]
+        graphs = SimpleNamespace(_lengths={3: lengths})
+        assert DecodeCudaGraphs.length_for(graphs, 3, None) == longest
+        for seq_len in [rng.randint(0, longest) for _ in range(20)] + lengths:
+            assert DecodeCudaGraphs.length_for(graphs, 3, seq_len) == min(n for n in lengths if n >= seq_len)
+        try:
+            DecodeCudaGraphs.length_for(graphs, 3, longest + 1)
+        except ValueError as e:
+            assert "longer than max_model_len" in str(e)
+        else:
+            raise AssertionError("a sequence past max_model_len must be refused")

@@ -148,7 +148,7 @@ class GraphStandIn:
         self.hooks.setdefault((size, key), hooks)
         return True
 
-    def replay(self, size: int, key: Any, extras: Any = None) -> torch.Tensor:
+    def replay(self, size: int, key: Any, extras: Any = None, max_seq_len: int | None = None) -> torch.Tensor:
         self.replays.append(key)
         if not key:
             return self.runner._forward(self.batch, extras)
