@@ -109,13 +109,14 @@ class TritonAttentionBackend(AttentionBackend):
         count covers. Splits past a request's length still launch and leave, and cost: Qwen3-30B-A3B, batch 1,
         200-token contexts, 2.469 ms/step with 2 splits captured, 2.536 with 8, 2.557 with 32 (H200,
         BENCHMARKS.md issue 19 round 8). With one split there is no reduce kernel either."""
+        # Each length is shorter than max_model_len: s < longest <= cdiv(max_model_len, decode_min_tokens_per_split).
         longest = self._decode_num_splits(num_reqs, max_model_len)
         lengths = []
         splits = 1
         while splits < longest:
             lengths.append(splits * self.decode_min_tokens_per_split)
             splits *= 2
-        return [n for n in lengths if n < max_model_len] + [max_model_len]
+        return lengths + [max_model_len]
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
