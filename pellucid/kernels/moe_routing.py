@@ -39,6 +39,70 @@ def max_blocks(num_entries: int, num_experts: int, block_m: int) -> int:
     return min(num_entries, triton.cdiv(num_entries, block_m) + min(num_experts, num_entries))
 
 
+# Below every expert's key: an expert already chosen, or the empty second of a pair.
+_TAKEN = tl.constexpr(-(2 ** 63))
+
+
+@triton.jit
+def _top_two(a1, a2, b1, b2):
+    """The two largest of two descending pairs (keys are distinct, except _TAKEN)."""
+    first = tl.maximum(a1, b1)
+    second = tl.where(a1 >= b1, tl.maximum(a2, b1), tl.maximum(a1, b2))
+    return first, second
+
+
+@triton.jit
+def _record(ids, weights, offs_k, slot, key, BLOCK_E: tl.constexpr):
+    """Put the expert of `key` ([BLOCK_T] int64) and its probability in column `slot` of ids and weights."""
+    expert = BLOCK_E - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+    prob = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    ids = tl.where(offs_k[None, :] == slot, expert[:, None], ids)
+    weights = tl.where(offs_k[None, :] == slot, prob[:, None], weights)
+    return ids, weights
+
+
+@triton.jit
+def _top_k_by_pairs(probs, offs_e, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, K_POW2: tl.constexpr):
+    """(ids, probabilities) [1, K_POW2] of the top k of probs [1, BLOCK_E], for one token's program.
+
+    One int64 key per expert orders by probability, then by the lower index (a non-negative float's bits
+    order as integers; the low word holds BLOCK_E - 1 - index), so each reduction yields the next two experts:
+    k / 2 dependent reductions instead of k pairs of them. Measured in the Qwen3-30B-A3B engine (H200,
+    BENCHMARKS.md issue 19 round 9): batch 1 2.448-2.452 -> 2.440-2.441 ms/step; with four tokens per program (batch 64
+    and 256) it was slower (more shuffles per step), so those keep _top_k_by_max."""
+    offs_k = tl.arange(0, K_POW2)
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = (bits << 32) | (BLOCK_E - 1 - offs_e).to(tl.int64)[None, :]
+    taken = tl.full(keys.shape, _TAKEN, tl.int64)
+    ids = tl.zeros([1, K_POW2], tl.int32)
+    weights = tl.zeros([1, K_POW2], tl.float32)
+    for j in tl.static_range(0, TOP_K, 2):
+        first, second = tl.reduce((keys, taken), 1, _top_two)
+        ids, weights = _record(ids, weights, offs_k, j, first, BLOCK_E)
+        if j + 1 < TOP_K:
+            ids, weights = _record(ids, weights, offs_k, j + 1, second, BLOCK_E)
+        keys = tl.where((keys == first[:, None]) | (keys == second[:, None]), _TAKEN, keys)
+    return ids, weights
+
+
+@triton.jit
+def _top_k_by_max(probs, offs_e, E, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  K_POW2: tl.constexpr):
+    """(ids, probabilities) [BLOCK_T, K_POW2] of the top k of each row of probs [BLOCK_T, BLOCK_E]: per slot
+    the largest probability, then the lowest index holding it."""
+    offs_k = tl.arange(0, K_POW2)
+    ids = tl.zeros([BLOCK_T, K_POW2], tl.int32)
+    weights = tl.zeros([BLOCK_T, K_POW2], tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        idx = tl.min(tl.where(probs == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
+        idx = tl.where(idx < E, idx, 0)      # a NaN row matches nothing: expert 0, with its NaN weight
+        ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
+        weights = tl.where(offs_k[None, :] == j, best[:, None], weights)
+        probs = tl.where(offs_e[None, :] == idx[:, None], -1.0, probs)
+    return ids, weights
+
+
 @triton.jit
 def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, T, E,
                   TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, K_POW2: tl.constexpr,
@@ -58,15 +122,10 @@ def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, sorted_ptr, block_
     probs = p / tl.sum(p, axis=1)[:, None]
     probs = tl.where(mask_e[None, :], probs, -2.0)         # never chosen over a real expert
     offs_k = tl.arange(0, K_POW2)
-    ids = tl.zeros([BLOCK_T, K_POW2], tl.int32)
-    weights = tl.zeros([BLOCK_T, K_POW2], tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        idx = tl.min(tl.where(probs == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
-        idx = tl.where(idx < E, idx, 0)      # a NaN row matches nothing: expert 0, with its NaN weight
-        ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
-        weights = tl.where(offs_k[None, :] == j, best[:, None], weights)
-        probs = tl.where(offs_e[None, :] == idx[:, None], -1.0, probs)
+    if BLOCK_T == 1:
+        ids, weights = _top_k_by_pairs(probs, offs_e, TOP_K, BLOCK_E, K_POW2)
+    else:
+        ids, weights = _top_k_by_max(probs, offs_e, E, TOP_K, BLOCK_T, BLOCK_E, K_POW2)
     if RENORM:
         weights = weights / tl.sum(weights, axis=1)[:, None]
     mask = mask_t[:, None] & (offs_k < TOP_K)[None, :]
@@ -74,8 +133,8 @@ def _route_kernel(logits_ptr, stride_l, ids_ptr, weights_ptr, sorted_ptr, block_
     tl.store(ids_ptr + out, ids, mask=mask)
     tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=mask)
     if ONE_TOKEN_LAYOUT:
-        # Entry j's block is its rank by (expert, slot): the blocks run in expert order, as the layout
-        # kernel's do, and repeated experts (a NaN row) still get a block each.
+        # Entry j's block is its rank by expert (the k experts differ: every key is distinct), so the
+        # blocks run in expert order, as the layout kernel's do.
         chosen = tl.reshape(ids, [K_POW2])
         valid = offs_k < TOP_K
         before = (chosen[None, :] < chosen[:, None]) | ((chosen[None, :] == chosen[:, None])
@@ -154,8 +213,7 @@ def route_and_layout(logits: torch.Tensor, top_k: int, renormalize: bool, weight
                      block_m: int) -> tuple[torch.Tensor, torch.Tensor, ExpertLayout]:
     """(expert ids [T, k] int32, routing weights [T, k] in weights_dtype, layout) from router logits [T, E].
     One token (a batch-1 decode step) takes one launch: the routing kernel lays out its k entries itself,
-    a block each, which is the layout kernel's result when the k experts differ (they do, unless the logits
-    hold a NaN)."""
+    a block each, which is the layout kernel's result since the k experts differ."""
     num_tokens, num_experts = logits.shape
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=logits.device)
