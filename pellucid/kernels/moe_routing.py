@@ -68,8 +68,8 @@ def _top_k_by_pairs(probs, offs_e, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, K
     One int64 key per expert orders by probability, then by the lower index (a non-negative float's bits
     order as integers; the low word holds BLOCK_E - 1 - index), so each reduction yields the next two experts:
     k / 2 dependent reductions instead of k pairs of them. Measured in the Qwen3-30B-A3B engine (H200,
-    BENCHMARKS.md issue 19 round 9): batch 1 2.448-2.452 -> 2.440-2.441 ms/step; with four tokens per program (batch 64
-    and 256) it was slower (more shuffles per step), so those keep _top_k_by_max."""
+    BENCHMARKS.md issue 19 round 9): batch 1 2.448-2.452 -> 2.440-2.441 ms/step; with four tokens per
+    program (batch 64 and 256) it was slower (more shuffles per step), so those keep _top_k_by_max."""
     offs_k = tl.arange(0, K_POW2)
     bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
     keys = (bits << 32) | (BLOCK_E - 1 - offs_e).to(tl.int64)[None, :]

@@ -154,7 +154,8 @@ def run_part(device: str, part: str) -> None:
     on_cpu = device == "cpu"
     if part == "routing":
         cases = [(1, 8, 2), (1, 6, 3), (5, 6, 3), (9, 16, 1)] if on_cpu else \
-            [(1, 128, 8), (1, 60, 5), (7, 60, 4), (64, 128, 8), (65, 128, 8), (300, 128, 8), (1000, 8, 2), (4096, 64, 6)]
+            [(1, 128, 8), (1, 60, 5), (7, 60, 4), (64, 128, 8), (65, 128, 8), (300, 128, 8), (1000, 8, 2),
+             (4096, 64, 6)]
         for seed in range(2):
             check_routing(device, seed, cases)
     elif part == "experts":
