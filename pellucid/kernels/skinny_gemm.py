@@ -144,6 +144,10 @@ SILU_MUL_MAX_K = {1: 8192, 2: 4096}
 # Qwen3-30B-A3B 2.92 ms/step with the deep tiles; whole-K at 64 weights per thread 2.94, at 128 2.68, at
 # 256 2.58. Llama-3.1-8B's o [4096 x 4096] is past the bound: whole-K there measured no gain. (Counted in
 # weights: float32 weights take twice the registers and may spill; float32 decode is for checks.)
+# Whole-K tiles of a larger matrix (Qwen3-30B-A3B's q/k/v [5120 x 2048] needs 62% of the register file) cannot
+# all be resident beside the kernels before them, yet they stay register tiles: staging the weights in shared
+# memory instead (every K tile's cp.async issued by the pipeliner ahead of the wait) measured slower for every
+# tile tried, q/k/v and o alike (H200, 2026-11-28, BENCHMARKS.md, issue 19, round 10).
 PRELOAD_MAX_K = 3072
 PRELOAD_WIDE_MAX_K = 4096
 PRELOAD_WIDE_MAX_ELEMENTS = 8 * 2 ** 20
