@@ -27,6 +27,7 @@ from pellucid.extraction.http import ExtractionRequest, ServerExtraction
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
 from pellucid.sampling_params import SamplingParams
+from pellucid.server.disconnect import ClientDisconnected, until_disconnect
 from pellucid.server.metrics import RequestTimer, ServerMetrics, log_stats_periodically
 from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice,
@@ -58,10 +59,6 @@ def error_response(error: ProtocolError) -> JSONResponse:
 
 def _internal_error(message: str) -> ProtocolError:
     return ProtocolError(message, status=500, error_type="internal_server_error")
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was complete."""
 
 
 class EventStream(StreamingResponse):
@@ -201,29 +198,6 @@ class OpenAIServer:
             for stream in streams:
                 stream.cancel()
 
-    async def until_disconnect(self, request: Request, work: Awaitable[Any]) -> Any:
-        """Run `work`, cancelling it (and so aborting its requests) if the client disconnects."""
-        task = asyncio.ensure_future(work)
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            watcher.cancel()
-            raise
-        watcher.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ClientDisconnected()
-
     def chat_prompt(self, request: ChatCompletionRequest | TokenizeRequest, messages: list[Any],
                     continue_final: bool = False) -> list[int]:
         turns = chat_template_messages(messages)
@@ -255,7 +229,7 @@ class OpenAIServer:
         if body.stream:
             return EventStream(self._completion_events(body, request_id, streams, tracker, timer, echo))
         final_outputs: dict[int, RequestOutput] = {}
-        finals = await self.until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
+        finals = await until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
         choices = []
         for index in sorted(tracker.finals):
             completion = finals[index]
@@ -268,7 +242,7 @@ class OpenAIServer:
         response = with_saves(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                  usage=tracker.usage()).model_dump(), final_outputs)
         if extraction is not None:
-            await self.until_disconnect(request, self.add_hidden_states(extraction, request_id, response,
+            await until_disconnect(request, self.add_hidden_states(extraction, request_id, response,
                                                                         final_outputs, body.n))
         return JSONResponse(response)
 
@@ -375,7 +349,7 @@ class OpenAIServer:
         if body.stream:
             return EventStream(self._chat_events(body, request_id, streams, tracker, timer, top_logprobs))
         final_outputs: dict[int, RequestOutput] = {}
-        finals = await self.until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
+        finals = await until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
         choices = [ChatChoice(index=index, message=ChatResponseMessage(content=finals[index].text),
                               logprobs=chat_logprobs(finals[index], 0, top_logprobs) if top_logprobs is not None else None,
                               finish_reason=finals[index].finish_reason, stop_reason=finals[index].stop_reason)

@@ -10,9 +10,7 @@ the last one `expires_at`. Without audio the thinker alone answers, as any chat 
 """
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,9 +26,10 @@ from pellucid.logger import get_logger
 from pellucid.pipeline.async_omni import AsyncOmni
 from pellucid.pipeline.pipeline import OmniRequestOutput
 from pellucid.pipeline.qwen3_omni import AudioRequest
-from pellucid.server.app import (ClientDisconnected, EventStream, add_service_routes, error_response, sse_event,
+from pellucid.server.app import (EventStream, add_service_routes, error_response, sse_event,
                                  error_response_body, protected_router)
 from pellucid.server.audio import FORMATS, pcm16, wav, wav_header
+from pellucid.server.disconnect import ClientDisconnected, until_disconnect
 from pellucid.server.protocol import (ChatCompletionRequest, ModelCard, ModelList, ProtocolError, UsageInfo,
                                       chat_template_messages, new_id, validation_error)
 from pellucid.tokenizer import apply_chat_template
@@ -159,7 +158,7 @@ class OmniServer:
             raise ProtocolError(str(exc), param="messages") from exc
         if body.stream:
             return EventStream(self._events(body, request_id, stream, audio_format))
-        final, samples = await self._until_disconnect(request, self._collect(stream))
+        final, samples = await until_disconnect(request, self._collect(stream))
         return JSONResponse(self._response(body, request_id, final, samples, audio_format))
 
     def _audio(self, body: ChatCompletionRequest) -> tuple[AudioRequest | None, str | None]:
@@ -263,25 +262,6 @@ class OmniServer:
         finally:
             stream.cancel()
         yield "data: [DONE]\n\n"
-
-    async def _until_disconnect(self, request: Request, work: Any) -> Any:
-        task = asyncio.ensure_future(work)
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ClientDisconnected()
 
     # ---- small endpoints ----------------------------------------------------------------------------
     async def models(self) -> Response:
