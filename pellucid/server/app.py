@@ -243,7 +243,7 @@ class OpenAIServer:
                                                  usage=tracker.usage()).model_dump(), final_outputs)
         if extraction is not None:
             await until_disconnect(request, self.add_hidden_states(extraction, request_id, response,
-                                                                        final_outputs, body.n))
+                                                                   final_outputs, body.n))
         return JSONResponse(response)
 
     # ---- hidden-state extraction (pellucid/extraction/http.py) -----------------------------------
