@@ -1,7 +1,7 @@
 """Offline Qwen3-Omni: text and a waveform per prompt, from a pipeline of three engines.
 
 ```python
-from pellucid.pipeline import OmniLLM
+from pellucid.pipeline.omni import OmniLLM
 omni = OmniLLM("Qwen3-Omni-30B-A3B-Instruct", chunk_size=25)
 out = omni.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=200), voice="ethan")[0]
 out.text, out.audio, out.sample_rate       # str, float32 tensor, 24000
