@@ -36,23 +36,19 @@ class Work:
         return self.result
 
 
-def run(coroutine):
-    return asyncio.run(coroutine)
-
-
 def test_finished_work_returns_its_result():
     async def main():
         work = Work(0.01, result={"id": 7})
         assert await until_disconnect(FakeClient(), work.run()) == {"id": 7}
         assert not work.cancelled
-    run(main())
+    asyncio.run(main())
 
 
 def test_failing_work_raises_its_own_error():
     async def main():
         with pytest.raises(ValueError, match="bad request"):
             await until_disconnect(FakeClient(), Work(0.01, error=ValueError("bad request")).run())
-    run(main())
+    asyncio.run(main())
 
 
 def test_a_client_that_leaves_cancels_the_work():
@@ -62,7 +58,7 @@ def test_a_client_that_leaves_cancels_the_work():
         with pytest.raises(ClientDisconnected):
             await asyncio.wait_for(until_disconnect(client, work.run()), 5.0)
         assert work.cancelled
-    run(main())
+    asyncio.run(main())
 
 
 def test_cancelling_the_handler_cancels_the_work():
@@ -76,4 +72,4 @@ def test_cancelling_the_handler_cancels_the_work():
         await asyncio.sleep(0)   # the work's task runs its cancellation
         assert work.cancelled
         assert not [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    run(main())
+    asyncio.run(main())
