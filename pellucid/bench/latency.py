@@ -102,11 +102,7 @@ def run_latency(args: argparse.Namespace) -> None:
     timed = []
     for batch in batches:
         prefill, steps = _run_batch(llm, batch, args.input_len, args.output_len, args.seed + batch)
-        # Not for MoE models yet: replaying the Qwen3-30B-A3B decode graph after a run hit an illegal memory
-        # access on the H100 (never in engine steps; issue 19's notes). At batch 256 the replay read another
-        # size's staging layout (restage_for_replay now copies the inputs again); the fault seen once at batch
-        # 1 is not explained by that, so MoE replays stay off until benchmarks/moe_graph_diag.py passes.
-        forward = None if moe else _graph_forward_seconds(core, batch)
+        forward = _graph_forward_seconds(core, batch)
         timed.append((batch, prefill, statistics.median(steps), forward))
     long_prefill = [_run_batch(llm, 1, args.prefill_len, 1, args.seed + 1000 + rep)[0]
                     for rep in range(3 if args.prefill_len else 0)]
