@@ -347,5 +347,14 @@ class async_trace:
                 errors[i] = failure.message
             return final
 
-        outputs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:
+            # A request refused when added (ValueError: a bad op) or this block cancelled: the other requests
+            # of the trace end too (leaving generate() aborts a request) instead of running on unobserved.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         self._trace._collect(list(outputs), errors)

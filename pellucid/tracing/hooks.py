@@ -184,8 +184,8 @@ class StepTrace:
                 if target not in plan.tap_programs:
                     try:
                         plan.tap_programs[target] = self.runtime.shared_programs.program_for(plan, target)
-                    except ValueError as exc:     # a value that does not fit the site: this request fails
-                        self._fail(t, getattr(exc, "op_index", plan.ops_at(*target)[0]), exc)
+                    except ValueError as exc:     # this request fails, the step runs for the others
+                        self._fail(t, plan.ops_at(*target)[0], exc)
                         break
                 program = plan.tap_programs[target]
                 if program is None:

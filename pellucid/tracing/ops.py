@@ -66,6 +66,10 @@ class Op:
         the op's `num_selected` selected positions. Only edit ops implement this."""
         raise NotImplementedError(f"{self.kind} does not edit")
 
+    def check_fits(self, per_token_shape: tuple[int, ...], num_selected: int) -> None:
+        """ValueError unless the op's tensor (if any) fits a site of this per-token shape where the op selects
+        `num_selected` positions. Plans call it when bound to a request, so a misfit is refused up front."""
+
     # ---- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"op": self.kind, "site": self.site, "point": self.point,
@@ -104,7 +108,27 @@ class _ValueEdit(Op):
         value = _as_tensor(getattr(self, self.value_field), self.value_field)
         setattr(self, self.value_field, value)
         self._device_values: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        self._fits: set[tuple[int, ...]] = set()     # per-token shapes already checked (the check is slow)
+        self._fits: set[tuple[tuple[int, ...], int]] = set()    # (per-token shape, selected count) checked
+
+    def has_rows(self, per_token_shape: tuple[int, ...]) -> bool:
+        """True when the value carries one row per selected position rather than one token's value."""
+        return getattr(self, self.value_field).dim() == len(per_token_shape) + 1
+
+    def check_fits(self, per_token_shape: tuple[int, ...], num_selected: int) -> None:
+        value = getattr(self, self.value_field)
+        if self.has_rows(per_token_shape):
+            if value.shape[0] != num_selected:
+                raise ValueError(f"{self.kind} {self.value_field} has {value.shape[0]} rows (one per selected "
+                                 f"position) but the op selects {num_selected} positions of this request")
+            expected = (num_selected, *per_token_shape)
+            fits = broadcasts_to(tuple(value.shape[1:]), per_token_shape)
+        else:
+            expected = per_token_shape
+            fits = broadcasts_to(tuple(value.shape), per_token_shape)
+        if not fits:
+            raise ValueError(f"{self.kind} {self.value_field} of shape {tuple(value.shape)} does not fit "
+                             f"{self.target}, whose per-token shape is {tuple(per_token_shape)} (expected "
+                             f"{tuple(expected)} or a shape that broadcasts to it)")
 
     def _value_rows(self, rows: torch.Tensor, ranks: np.ndarray, num_selected: int) -> torch.Tensor:
         """The value for each selected row, on the rows' device and dtype, broadcastable to rows."""
@@ -113,26 +137,12 @@ class _ValueEdit(Op):
         if value is None:
             value = getattr(self, self.value_field).to(device=rows.device, dtype=rows.dtype)
             self._device_values[key] = value
-        if value.dim() < rows.dim() and tuple(rows.shape[1:]) in self._fits:
-            return value
-        if value.dim() == rows.dim():
-            if value.shape[0] != num_selected:
-                raise ValueError(f"{self.kind} {self.value_field} has {value.shape[0]} rows (one per selected "
-                                 f"position) but the op selects {num_selected} positions of this request")
+        per_token = tuple(rows.shape[1:])
+        if (per_token, num_selected) not in self._fits:
+            self.check_fits(per_token, num_selected)
+            self._fits.add((per_token, num_selected))
+        if self.has_rows(per_token):
             value = value[torch.as_tensor(ranks, device=value.device)]
-            expected = tuple(rows.shape)
-        else:
-            expected = tuple(rows.shape[1:])
-        try:
-            shape = torch.broadcast_shapes(value.shape, rows.shape)
-        except RuntimeError:
-            shape = None
-        if shape != rows.shape:
-            raise ValueError(f"{self.kind} {self.value_field} of shape {tuple(getattr(self, self.value_field).shape)} "
-                             f"does not fit {self.target}, whose per-token shape is {tuple(rows.shape[1:])} "
-                             f"(expected {expected} or a shape that broadcasts to it)")
-        if value.dim() < rows.dim():
-            self._fits.add(tuple(rows.shape[1:]))
         return value
 
     def _payload_json(self) -> dict[str, Any]:
@@ -202,15 +212,14 @@ class Scale(Op):
         factor = self._device_factors.get(key)
         if factor is None:
             factor = self._device_factors[key] = self.factor.to(device=rows.device, dtype=rows.dtype)
-        try:
-            fits = torch.broadcast_shapes(factor.shape, rows.shape[1:]) == rows.shape[1:]
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(f"scale factor of shape {tuple(factor.shape)} does not fit {self.target}, whose "
-                             f"per-token shape is {tuple(rows.shape[1:])} (expected that shape or one that "
-                             f"broadcasts to it)")
+        self.check_fits(tuple(rows.shape[1:]), num_selected)
         return rows * factor
+
+    def check_fits(self, per_token_shape: tuple[int, ...], num_selected: int) -> None:
+        if isinstance(self.factor, torch.Tensor) and not broadcasts_to(tuple(self.factor.shape), per_token_shape):
+            raise ValueError(f"scale factor of shape {tuple(self.factor.shape)} does not fit {self.target}, whose "
+                             f"per-token shape is {tuple(per_token_shape)} (expected that shape or one that "
+                             f"broadcasts to it)")
 
     def _payload_json(self) -> dict[str, Any]:
         if isinstance(self.factor, torch.Tensor):
@@ -256,6 +265,12 @@ class Apply(Op):
 
     def to_json(self) -> dict[str, Any]:
         raise ValueError("op 'apply' runs Python code: it is offline only and cannot be serialized")
+
+
+def broadcasts_to(source: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of shape `source` broadcasts to exactly `target` (torch.broadcast_shapes rules,
+    without its cost: this runs once per traced request and op)."""
+    return len(source) <= len(target) and all(a in (1, b) for a, b in zip(reversed(source), reversed(target)))
 
 
 OP_TYPES: dict[str, type[Op]] = {cls.kind: cls for cls in (Save, Set, Add, Scale, Zero, MeanAblate, Apply)}

@@ -101,6 +101,10 @@ class TracePlan:
             if selected.size == 0:
                 raise ValueError(f"trace op {i} ({op.describe()}) selects no position of this request "
                                  f"({prompt_len} prompt tokens, positions 0..{limit - 1} computed)")
+            try:
+                op.check_fits(site.shape, int(selected.size))
+            except ValueError as exc:
+                raise ValueError(f"trace op {i} ({op.describe()}): {exc}") from exc
             plan.selected.append(selected)
             plan.sites.append(site)
             plan.by_target.setdefault((op.site, op.point), []).append(i)

@@ -60,8 +60,8 @@ class TapProgram:
 
 
 def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | None:
-    """The request's tap program at `target`, or None when its ops there need the per-request path.
-    Raises ValueError (with the op index in `exc.op_index`) when a value does not fit the site."""
+    """The request's tap program at `target`, or None when its ops there need the per-request path. Its values
+    fit their sites: TracePlan.bind checked them (Op.check_fits)."""
     indices = plan.ops_at(*target)
     ops = [plan.ops[i] for i in indices]
     if not all(isinstance(op, _TAP_OPS) and not (isinstance(op, Scale) and op.per_unit) for op in ops):
@@ -97,11 +97,6 @@ def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | N
             program.keep[mask] = program.scale[mask] = 0.0
             program.coef[mask] = 1.0
         if isinstance(op, _VALUE_OPS):
-            try:
-                _check_value(plan, i)
-            except ValueError as exc:
-                exc.op_index = i        # type: ignore[attr-defined]  (the plan fails this op)
-                raise
             program.value_slot[mask] = value_indices.index(i)
             if value_has_rows(plan, i):
                 program.value_rank[plan.selected[i][plan.selected[i] < size]] = np.arange(
@@ -113,30 +108,7 @@ def build_program(plan: TracePlan, target: Target, limit: int) -> TapProgram | N
 
 def value_has_rows(plan: TracePlan, op_index: int) -> bool:
     op = plan.ops[op_index]
-    return getattr(op, op.value_field).dim() == len(plan.sites[op_index].shape) + 1
-
-
-def _check_value(plan: TracePlan, op_index: int) -> None:
-    """The same checks (and messages) as the per-request path, made on the host from the site's shape."""
-    op = plan.ops[op_index]
-    value = getattr(op, op.value_field)
-    shape = plan.sites[op_index].shape
-    num_selected = len(plan.selected[op_index])
-    rows = value_has_rows(plan, op_index)
-    expected = (num_selected, *shape) if rows else shape
-    if rows and value.shape[0] != num_selected:
-        raise ValueError(f"{op.kind} {op.value_field} has {value.shape[0]} rows (one per selected "
-                         f"position) but the op selects {num_selected} positions of this request")
-    if not _broadcasts_to(tuple(value.shape), tuple(expected) if rows else tuple(shape)):
-        raise ValueError(f"{op.kind} {op.value_field} of shape {tuple(value.shape)} does not fit {op.target}, "
-                         f"whose per-token shape is {tuple(shape)} (expected {tuple(expected)} or a shape that "
-                         f"broadcasts to it)")
-
-
-def _broadcasts_to(source: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    """Whether a tensor of shape `source` broadcasts to exactly `target` (torch.broadcast_shapes rules,
-    without its cost: this runs once per traced request and op)."""
-    return len(source) <= len(target) and all(a in (1, b) for a, b in zip(reversed(source), reversed(target)))
+    return op.has_rows(plan.sites[op_index].shape)
 
 
 def program_forms(plan: TracePlan, program: TapProgram, device: torch.device) -> tuple[tuple[int, ...], list[torch.Tensor]]:

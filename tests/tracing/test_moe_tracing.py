@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pellucid import SamplingParams
-from pellucid.tracing import Add, Save, Scale, TraceError, TracePlan, op_from_json
+from pellucid.tracing import Add, Save, Scale, TracePlan, op_from_json
 from tests.tracing.conftest import NUM_LAYERS, TOLERANCE, hf_forward, random_prompts, relative_error
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -167,7 +167,7 @@ def test_routing_site_refuses_edits_that_would_choose_other_experts(make_llm):
     with pytest.raises(ValueError, match=r"mlp\.routing\.output accepts save and the edits scale, zero, apply, not add"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False,
                      extras=[{"trace": TracePlan([Add(site="model.layers.0.mlp.routing", value=torch.ones(8))])}])
-    with pytest.raises(TraceError, match="per-token shape is \\(8,\\)"):      # fails that request only
+    with pytest.raises(ValueError, match="per-token shape is \\(8,\\)"):      # refused before anything runs
         with llm.trace([[5, 6, 7]]) as tr:
             tr.model.layers[0].mlp.routing.output.scale(torch.ones(5))
 

@@ -183,14 +183,21 @@ def test_graph_tap_path_equals_the_eager_tap_path(make_llm, monkeypatch, seed):
     assert_same(graphed, eager)
 
 
-def test_a_value_that_does_not_fit_fails_on_the_host_before_the_forward(make_llm):
+def test_a_value_that_does_not_fit_is_refused_before_anything_runs(make_llm):
     llm = make_llm("llama")
     prompts = random_prompts(7, [6, 9])
-    plans = [TracePlan([Add(site="model.layers.0", value=torch.ones(HIDDEN + 1))]),
-             TracePlan([Set(site="model.layers.0", value=torch.ones(3, HIDDEN), positions=[0, 1])])]
-    outs = run(llm, prompts, plans, 3)
-    assert "does not fit" in outs[0].error and f"({HIDDEN + 1},)" in outs[0].error
-    assert "3 rows" in outs[1].error and "selects 2 positions" in outs[1].error
+    cases = [(TracePlan([Add(site="model.layers.0", value=torch.ones(HIDDEN + 1))]), ["does not fit", f"({HIDDEN + 1},)"]),
+             (TracePlan([Set(site="model.layers.0", value=torch.ones(3, HIDDEN), positions=[0, 1])]),
+              ["3 rows", "selects 2 positions"]),
+             (TracePlan([Scale(site="model.layers.0", factor=torch.ones(2, HIDDEN))]), ["scale factor", "does not fit"])]
+    for plan, words in cases:
+        with pytest.raises(ValueError) as info:
+            run(llm, prompts, [None, plan], 3)      # the untraced request is not queued either
+        assert all(word in str(info.value) for word in words), str(info.value)
+        assert not llm.engine.has_unfinished_requests()
+    fits = TracePlan([Set(site="model.layers.0", value=torch.ones(2, HIDDEN), positions=[0, 1]),
+                      Scale(site="model.layers.0", factor=torch.ones(1))])
+    assert all(out.error is None for out in run(llm, prompts, [None, fits], 3))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

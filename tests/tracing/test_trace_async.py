@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import operator
 
 import pytest
 import torch
 
 from pellucid import SamplingParams
 from pellucid.engine.async_llm import AsyncLLM, RequestFailedError
-from pellucid.tracing import Add, Save, TraceError, TracePlan, async_trace
+from pellucid.tracing import Apply, Save, TraceError, TracePlan, async_trace
 from tests.tracing.conftest import TOLERANCE, random_prompts, relative_error
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -78,11 +79,12 @@ def test_async_multi_invoke_runs_every_invoke_with_its_own_saves(engines):
 def test_async_failure_fails_only_that_request(engines):
     _, async_llm = engines
     prompts = random_prompts(3, [9, 9])
+    bad_view = operator.methodcaller("view", 7)     # picklable (the engine runs in another process); raises there
 
     async def run():
         async with async_trace(async_llm) as tr:
             with tr.invoke(prompts[0], PARAMS):
-                tr.model.layers[1].output.add(torch.ones(7))
+                tr.model.layers[1].output.apply(bad_view)
             with tr.invoke(prompts[1], PARAMS):
                 good = tr.model.layers[1].output.save()
         return good
@@ -94,6 +96,31 @@ def test_async_failure_fails_only_that_request(engines):
     async def direct():
         with pytest.raises(RequestFailedError, match="shape"):
             async for _ in async_llm.generate(prompts[0], PARAMS,
-                                              extras={"trace": [Add(site="model.norm", value=torch.ones(3))]}):
+                                              extras={"trace": [Apply(site="model.norm", fn=bad_view)]}):
                 pass
     asyncio.run(direct())
+
+
+def test_async_trace_with_a_value_that_cannot_fit_runs_nothing(engines):
+    """Refused when its requests are added: the block raises, and the trace's other requests, already
+    running, are aborted before it does rather than left running unobserved."""
+    _, async_llm = engines
+    prompts = random_prompts(4, [9, 9])
+
+    async def main() -> tuple[list[str], bool]:
+        with pytest.raises(ValueError, match=r"add value of shape \(7,\) does not fit"):
+            async with async_trace(async_llm) as tr:
+                with tr.invoke(prompts[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)):
+                    tr.model.layers[1].output.save()
+                with tr.invoke(prompts[1], PARAMS):
+                    tr.model.layers[1].output.add(torch.ones(7))
+        pending = [t.get_coro().__qualname__ for t in asyncio.all_tasks()
+                   if not t.done() and "async_trace.__aexit__" in t.get_coro().__qualname__]
+        for _ in range(200):
+            stats = async_llm.get_stats()
+            if stats.num_running == stats.num_waiting == 0:
+                return pending, True
+            await asyncio.sleep(0.05)
+        return pending, False
+    pending, settled = asyncio.run(main())
+    assert pending == [] and settled

@@ -125,10 +125,13 @@ def test_a_failing_op_fails_only_its_request(make_llm):
     def explode(x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("boom inside apply")
 
+    def drop_last_unit(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :-1]
+
     with pytest.raises(TraceError) as info:
         with llm.trace() as tr:
             with tr.invoke(prompts[0], params):
-                tr.model.layers[1].output.add(torch.ones(63))          # wrong shape
+                tr.model.layers[1].output.apply(drop_last_unit)        # returns the wrong shape
             with tr.invoke(prompts[1], params):
                 good = tr.model.layers[1].output.save()
             with tr.invoke(prompts[2], params):
@@ -137,7 +140,7 @@ def test_a_failing_op_fails_only_its_request(make_llm):
                 pass                                                    # untraced
     failures = info.value.failures
     assert sorted(failures) == [0, 2]
-    assert "shape" in failures[0][0] and "(63,)" in failures[0][0]
+    assert "returned" in failures[0][0] and ", 63)" in failures[0][0]
     assert "boom inside apply" in failures[2][0] and "explode" in failures[2][1]   # the traceback
     outputs = info.value.outputs
     assert outputs[0].error and outputs[2].error and outputs[0].outputs[0].finish_reason == "error"
@@ -149,6 +152,14 @@ def test_a_failing_op_fails_only_its_request(make_llm):
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in clean]
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv_manager.block_pool.num_free_blocks == llm.engine.kv_manager.block_pool.num_usable_blocks
+    # A value that cannot fit its site is refused before any request of the trace runs.
+    with pytest.raises(ValueError, match=r"trace op 0 .*add value of shape \(63,\) does not fit"):
+        with llm.trace() as tr:
+            with tr.invoke(prompts[0], params):
+                tr.model.layers[1].output.add(torch.ones(63))
+            with tr.invoke(prompts[1], params):
+                tr.model.layers[1].output.save()
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_logits_edit_steers_sampling_and_tokens_are_saved(make_llm):

@@ -79,6 +79,9 @@ def test_chat_completions_interventions_with_plain_list_values(served):
     ([{"op": "save", "site": "model.layrs.0"}], "did you mean"),
     ([{"op": "save", "site": "model.norm", "positions": [999]}], "beyond"),
     ({"op": "save"}, "list"),
+    ([{"op": "add", "site": "model.norm", "value": [1.0] * 5}], "add value of shape (5,) does not fit"),
+    ([{"op": "scale", "site": "model.norm", "factor": [1.0] * 3}], "scale factor of shape (3,) does not fit"),
+    ([{"op": "set", "site": "model.norm", "positions": [0, 1], "value": [[1.0] * 64] * 3}], "selects 2 positions"),
 ])
 def test_malformed_interventions_are_400_naming_the_problem(served, interventions, message):
     running, _, _ = served
