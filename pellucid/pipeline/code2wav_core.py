@@ -75,6 +75,11 @@ class _Stream:
             return None
         return lo, hi, context
 
+    @property
+    def done(self) -> bool:
+        """The stream ended and every frame is decoded: the next step finishes the request."""
+        return self.ended and self.decoded >= self.num_frames
+
     def codes(self, lo: int, hi: int) -> torch.Tensor:
         if len(self.frames) > 1:
             self.frames = [torch.cat(self.frames)]
@@ -166,7 +171,9 @@ class Code2WavCore:
             self.fail_requests(ids, error)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._done) or any(s.next_window() is not None for s in self.streams.values())
+        # A stream that ended with nothing left to decode (no frames, or a last chunk of none after the last
+        # window) still needs a step to finish: without it the loop would wait for inputs that never come.
+        return bool(self._done) or any(s.done or s.next_window() is not None for s in self.streams.values())
 
     def has_deferred_outputs(self) -> bool:
         return False
@@ -231,12 +238,12 @@ class Code2WavCore:
             out = EngineCoreOutput(stream.request_id, [])
             out.events = {"audio": torch.cat(stream.audio) if len(stream.audio) > 1 else stream.audio[0]}
             stream.audio = []
-            if stream.ended and stream.decoded >= stream.num_frames:
+            if stream.done:
                 out.finish_reason = "stop"
                 del self.streams[stream.request_id]
             outputs.append(out)
         # Streams that ended with no window left to decode (no frames, or all decoded before the end).
-        for stream in [s for s in self.streams.values() if s.ended and s.decoded >= s.num_frames]:
+        for stream in [s for s in self.streams.values() if s.done]:
             del self.streams[stream.request_id]
             outputs.append(EngineCoreOutput(stream.request_id, [], finish_reason="stop",
                                             events={"audio": torch.zeros(0)}))
