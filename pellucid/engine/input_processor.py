@@ -68,6 +68,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.n > self.info.max_num_seqs:
+            # Each of the n sequences is a request of its own: without a bound, one request could queue any number.
+            raise ValueError(f"n must be at most the engine's max_num_seqs ({self.info.max_num_seqs}), got {params.n}; "
+                             f"send several requests for more sequences")
         ids = self.prompt_ids(prompt)
         max_total = _max_total_tokens(len(ids), params.max_tokens, self.info.max_model_len)
         checked: dict[str, Any] = {}

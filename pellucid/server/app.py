@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -46,6 +47,7 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # Request features (engine extras keys) and the request field each comes from.
 _EXTRAS_FIELDS = {TRACE_KEY: "interventions", EXTRACTION_KEY: "extract_hidden_states"}
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def error_response_body(error: ProtocolError) -> dict[str, Any]:
@@ -138,6 +140,8 @@ class OpenAIServer:
                 stream.cancel()
             if isinstance(exc, ExtrasError):     # the request field that carried the feature's value
                 param = _EXTRAS_FIELDS.get(exc.key, param)
+            elif str(exc).split(" ", 1)[0] in _SAMPLING_FIELDS:     # its messages start with the field's name
+                param = str(exc).split(" ", 1)[0]
             raise ProtocolError(str(exc), param=param) from exc
         except BaseException:
             for stream in streams:

@@ -52,6 +52,19 @@ def test_n_completions_are_distinct_samples(llm):
     assert llm.engine.stats().num_used_blocks == 0
 
 
+def test_n_is_bounded_by_max_num_seqs(tiny_model_factory):
+    """Each of the n sequences is an engine request: n above max_num_seqs is refused before anything is queued,
+    and n equal to it runs."""
+    llm = LLM(tiny_model_factory("qwen3"), dtype="float32", device="cpu", max_num_seqs=4)
+    prompt = _prompts(llm, 5, [6])[0]
+    for n in (5, 2**63):
+        with pytest.raises(ValueError, match=f"n must be at most the engine's max_num_seqs \\(4\\), got {n}"):
+            llm.generate([prompt], SamplingParams(n=n, max_tokens=2), use_tqdm=False)
+        assert not llm.has_unfinished_requests()
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs) == 4
+
+
 def test_max_tokens_and_stop_token_ids(llm):
     prompt = _prompts(llm, 4, [9])[0]
     base = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)

@@ -24,6 +24,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": "hi", "n": "two"}, 400, "n"),
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    # More sequences than the engine runs at once (max_num_seqs, 256 by default): one request must not queue
+    # any number of engine requests (2**63 made the server allocate until it ran out of memory).
+    ("completions", {"prompt": "hi", "n": 257}, 400, "n"),
+    ("chat/completions", {"messages": CHAT, "n": 2**63}, 400, "n"),
     ("completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
     ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
