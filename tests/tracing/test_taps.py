@@ -186,10 +186,12 @@ def test_graph_tap_path_equals_the_eager_tap_path(make_llm, monkeypatch, seed):
 def test_a_value_that_does_not_fit_is_refused_before_anything_runs(make_llm):
     llm = make_llm("llama")
     prompts = random_prompts(7, [6, 9])
-    cases = [(TracePlan([Add(site="model.layers.0", value=torch.ones(HIDDEN + 1))]), ["does not fit", f"({HIDDEN + 1},)"]),
+    cases = [(TracePlan([Add(site="model.layers.0", value=torch.ones(HIDDEN + 1))]),
+              ["does not fit", f"({HIDDEN + 1},)"]),
              (TracePlan([Set(site="model.layers.0", value=torch.ones(3, HIDDEN), positions=[0, 1])]),
               ["3 rows", "selects 2 positions"]),
-             (TracePlan([Scale(site="model.layers.0", factor=torch.ones(2, HIDDEN))]), ["scale factor", "does not fit"])]
+             (TracePlan([Scale(site="model.layers.0", factor=torch.ones(2, HIDDEN))]),
+              ["scale factor", "does not fit"])]
     for plan, words in cases:
         with pytest.raises(ValueError) as info:
             run(llm, prompts, [None, plan], 3)      # the untraced request is not queued either
