@@ -138,10 +138,11 @@ class OpenAIServer:
         except ValueError as exc:
             for stream in streams:
                 stream.cancel()
+            first_word = str(exc).split(" ", 1)[0]
             if isinstance(exc, ExtrasError):     # the request field that carried the feature's value
                 param = _EXTRAS_FIELDS.get(exc.key, param)
-            elif str(exc).split(" ", 1)[0] in _SAMPLING_FIELDS:     # its messages start with the field's name
-                param = str(exc).split(" ", 1)[0]
+            elif first_word in _SAMPLING_FIELDS:     # a sampling parameter's message starts with its name
+                param = first_word
             raise ProtocolError(str(exc), param=param) from exc
         except BaseException:
             for stream in streams:
