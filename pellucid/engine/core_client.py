@@ -176,7 +176,11 @@ class InprocClient(EngineCoreClient):
 
 class OutputMailbox:
     """Engine reports handed from the thread that receives them to the frontend: a synchronous frontend
-    blocks in get(); an asyncio frontend awaits get_async() on whichever event loop runs it now."""
+    blocks in get(); an asyncio frontend awaits get_async() on whichever event loop runs it now.
+
+    A report comes in a one-item list that put() empties, and the sending thread holds it nowhere else:
+    once the frontend has taken a report, that thread (however late it runs on) keeps no reference to it,
+    so the frontend's final outputs are the only owners of what they carry (saves die with them)."""
 
     def __init__(self) -> None:
         self._items: deque[EngineCoreOutputs] = deque()
@@ -184,9 +188,9 @@ class OutputMailbox:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
 
-    def put(self, item: EngineCoreOutputs) -> None:
+    def put(self, report: list[EngineCoreOutputs]) -> None:
         with self._cond:
-            self._items.append(item)
+            self._items.append(report.pop())
             self._cond.notify()
             loop, event = self._loop, self._event
         if loop is not None and event is not None:
@@ -264,18 +268,23 @@ class BackgroundClient(EngineCoreClient):
     async def get_outputs_async(self) -> EngineCoreOutputs:
         return await self._mailbox.get_async()
 
-    def _receive(self, outputs: EngineCoreOutputs) -> None:
-        """A report from the engine (any thread): utility results resolve their calls, the rest is mailed."""
+    def _receive(self, report: list[EngineCoreOutputs]) -> None:
+        """A report from the engine (any thread), in a one-item list that this empties: utility results
+        resolve their calls, the rest is mailed."""
+        outputs = report[0]
         if outputs.stats is not None:
             self.latest_stats = outputs.stats
         if outputs.utility_results:
             for result in outputs.utility_results:
                 self._resolve(result)
             outputs.utility_results = None
-        if outputs.engine_error is not None:
-            self._declare_dead(outputs.engine_error)
+        error = outputs.engine_error
+        del outputs         # the mailbox takes the only reference this thread has
+        if error is not None:
+            report.clear()
+            self._declare_dead(error)
             return
-        self._mailbox.put(outputs)
+        self._mailbox.put(report)
 
     def _resolve(self, result: UtilityResult) -> None:
         with self._lock:
@@ -298,7 +307,7 @@ class BackgroundClient(EngineCoreClient):
             logger.error("the engine core died: %s", reason)
         for future in waiting.values():
             future.set_exception(EngineDeadError(f"the engine core died: {reason}"))
-        self._mailbox.put(EngineCoreOutputs(engine_error=reason))
+        self._mailbox.put([EngineCoreOutputs(engine_error=reason)])
 
     @property
     def dead_reason(self) -> str | None:

@@ -21,7 +21,11 @@ _WAKE = object()     # an input that only ends the loop's wait
 
 
 class EngineCoreLoop:
-    def __init__(self, core: EngineCore, inputs: "queue.Queue[Any]", emit: Callable[[EngineCoreOutputs], None]) -> None:
+    """`emit` gets each report in a one-item list and takes it out: the loop keeps no reference to a report
+    it has handed over, so the frontend's final outputs become the only owners of what they carry (saves)."""
+
+    def __init__(self, core: EngineCore, inputs: "queue.Queue[Any]",
+                 emit: Callable[[list[EngineCoreOutputs]], None]) -> None:
         self.core = core
         self.inputs = inputs
         self.emit = emit
@@ -66,7 +70,7 @@ class EngineCoreLoop:
         elif isinstance(item, FinishRequests):
             core.finish_requests(item.request_ids, item.reason, item.num_output_tokens)
         elif isinstance(item, UtilityCall):
-            self.emit(EngineCoreOutputs(utility_results=[self._call(item)], stats=core.stats()))
+            self.emit([EngineCoreOutputs(utility_results=[self._call(item)], stats=core.stats())])
         else:
             logger.error("the engine loop got an unknown input %r; ignored", type(item).__name__)
 
@@ -81,6 +85,9 @@ class EngineCoreLoop:
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 
     def _step(self) -> None:
+        self.emit([self._stepped()])
+
+    def _stepped(self) -> EngineCoreOutputs:
         core = self.core
         try:
             outputs = core.step()
@@ -91,4 +98,4 @@ class EngineCoreLoop:
                          traceback.format_exc())
             outputs = core.fail_in_flight(f"engine step failed: {type(exc).__name__}: {exc}")
         outputs.stats = core.stats()
-        self.emit(outputs)
+        return outputs

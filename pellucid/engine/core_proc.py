@@ -152,7 +152,7 @@ def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, stop: threading.E
     core.set_fatal_handler(die)
     code = 0
     try:
-        EngineCoreLoop(core, input_queue, output_queue.put).run()
+        EngineCoreLoop(core, input_queue, lambda report: output_queue.put(report.pop())).run()
     except BaseException as exc:
         logger.error("the engine loop crashed:\n%s", traceback.format_exc())
         output_queue.put(EngineCoreOutputs(engine_error=f"the engine loop crashed: {type(exc).__name__}: {exc}"))
@@ -242,13 +242,13 @@ class MPClient(BackgroundClient):
             except zmq.ZMQError:
                 return          # the socket was closed by shutdown()
             try:
-                outputs = decoder.decode(frames)
+                report = [decoder.decode(frames)]
             except Exception as exc:
                 logger.exception("could not decode a message from the engine")
                 self._declare_dead(f"undecodable message from the engine: {exc!r}")
                 return
-            self._receive(outputs)
-            del outputs, frames     # the frontend's outputs become the only owners of what they carry
+            del frames
+            self._receive(report)   # empties `report`: the frontend's outputs own what they carry
         if exited and not self._closing:
             self._declare_dead(_exit_description(self._proc.returncode))
 

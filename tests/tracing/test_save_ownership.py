@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import time
 import weakref
 from typing import Iterator
 
@@ -16,6 +17,7 @@ import torch
 
 from pellucid import SamplingParams
 from pellucid.engine.async_llm import AsyncLLM
+from pellucid.engine.core_client import OutputMailbox
 from pellucid.tracing import Save, TracePlan
 from tests.tracing.conftest import random_prompts
 
@@ -100,8 +102,20 @@ def test_final_output_takes_the_feature_outputs(make_llm):
     assert request.is_finished and request.feature_outputs is None
 
 
-def test_async_llm_saves_die_with_the_outputs(model_dir):
-    async_llm = AsyncLLM(model_dir("llama"), dtype="float32", device="cpu", num_kv_blocks=64)
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_async_llm_saves_die_with_the_outputs(model_dir, monkeypatch, engine_process):
+    """The thread that hands the final report to the frontend (the engine process's receiver, or the engine
+    thread) lingers after the hand-over here, as a descheduled thread would: it must hold nothing by then."""
+    put = OutputMailbox.put
+
+    def put_then_linger(self: OutputMailbox, report: list) -> None:
+        final = any(out.finish_reason is not None for out in report[0].outputs)
+        put(self, report)
+        if final:
+            time.sleep(0.5)
+    monkeypatch.setattr(OutputMailbox, "put", put_then_linger)
+    async_llm = AsyncLLM(model_dir("llama"), dtype="float32", device="cpu", num_kv_blocks=64,
+                         engine_process=engine_process)
     try:
         prompt = random_prompts(8, [10])[0]
 
