@@ -102,22 +102,29 @@ class AsyncOmni:
     async def _read(self, stage: str, client: Any) -> None:
         while True:
             outputs = await client.get_outputs_async()
-            try:
-                reports = self.pipeline.process(stage, outputs)
-            except Exception:
-                logger.exception("the pipeline could not process the %s stage's outputs", stage)
-                continue
-            for report in reports:
-                stream = self._streams.get(report.request_id)
-                if stream is None:
-                    continue
-                if report.finished:
-                    del self._streams[report.request_id]
-                    if report.error is not None and not (report.text and report.text.outputs):
-                        stream.put(RequestFailedError(report.request_id, report.error))
-                        continue
-                stream.put(report)
-            if outputs.engine_error is not None:
+            engine_error = outputs.engine_error
+            self._deliver(stage, outputs)
+            # Not kept while waiting for the next report (a stage may send none for long): the final outputs
+            # must be the only owners of what they carry (saves).
+            del outputs
+            if engine_error is not None:
                 for callback in self._dead_callbacks:
-                    callback(self.pipeline.dead or outputs.engine_error)
+                    callback(self.pipeline.dead or engine_error)
                 return
+
+    def _deliver(self, stage: str, outputs: Any) -> None:
+        try:
+            reports = self.pipeline.process(stage, outputs)
+        except Exception:
+            logger.exception("the pipeline could not process the %s stage's outputs", stage)
+            return
+        for report in reports:
+            stream = self._streams.get(report.request_id)
+            if stream is None:
+                continue
+            if report.finished:
+                del self._streams[report.request_id]
+                if report.error is not None and not (report.text and report.text.outputs):
+                    stream.put(RequestFailedError(report.request_id, report.error))
+                    continue
+            stream.put(report)

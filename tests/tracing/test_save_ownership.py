@@ -18,6 +18,8 @@ import torch
 from pellucid import SamplingParams
 from pellucid.engine.async_llm import AsyncLLM
 from pellucid.engine.core_client import OutputMailbox
+from pellucid.pipeline.async_omni import AsyncOmni
+from pellucid.pipeline.graph import qwen3_omni_graph
 from pellucid.tracing import Save, TracePlan
 from tests.tracing.conftest import random_prompts
 
@@ -129,3 +131,27 @@ def test_async_llm_saves_die_with_the_outputs(model_dir, monkeypatch, engine_pro
             assert all(r() is None for r in refs)
     finally:
         async_llm.shutdown()
+
+
+def test_async_omni_saves_die_with_the_outputs(omni_dir):
+    """The same for the speech pipeline's thinker: its stage reader must not keep the last report it read
+    (the thinker sends none after its last token while the talker still speaks). Stages in threads: the
+    reader is the same with stages in processes, whose hand-off the AsyncLLM test above covers."""
+    omni = AsyncOmni(omni_dir, qwen3_omni_graph(3, decode_chunk=6, left_context=3), engine_process=False,
+                     device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=256)
+    try:
+        prompt = omni.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
+                                                    add_generation_prompt=True)
+        plan = TracePlan([Save(site="thinker.model.layers.1", name="h")])
+
+        async def run():
+            stream = await omni.add_request("traced", prompt, PARAMS, extras={"trace": plan})
+            return [out async for out in stream]
+        with no_cyclic_gc():
+            outputs = asyncio.run(run())
+            assert outputs[-1].finished and sum(len(out.audio) for out in outputs) > 0
+            refs = _save_refs([out.text for out in outputs if out.text is not None and "saves" in out.text.extras])
+            del outputs
+            assert all(r() is None for r in refs)
+    finally:
+        omni.shutdown()
