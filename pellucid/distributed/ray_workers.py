@@ -9,9 +9,14 @@ the same worker loop as the local worker processes (pellucid.distributed.worker)
 rendezvous over TCP. On the CPU the bundles are CPUs.
 
 Ray owns the actors' processes: they end with their owner, the engine process, however it ends.
+
+A Ray worker process does not inherit the engine process's environment (the raylet of its node starts it,
+on another machine, or from a cluster started before the engine), so each actor is given the engine's
+`PELLUCID_` variables (`forwarded_environment`): every rank runs the kernels and logging the user asked for.
 """
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -31,6 +36,11 @@ def import_ray() -> Any:
         raise TensorParallelStartupError(
             "distributed_executor_backend='ray' needs Ray: pip install 'pellucid[ray]' (or ray)") from exc
     return ray
+
+
+def forwarded_environment() -> dict[str, str]:
+    """The engine process's settings that every rank must share: its `PELLUCID_` environment variables."""
+    return {name: value for name, value in os.environ.items() if name.startswith("PELLUCID_")}
 
 
 class RankActor:
@@ -134,7 +144,8 @@ class RayRanks:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
         resources = {"num_gpus": 1, "num_cpus": 0} if self.use_gpus else {"num_cpus": 1}
-        return self.actor_class.options(scheduling_strategy=strategy, **resources).remote()
+        return self.actor_class.options(scheduling_strategy=strategy, runtime_env={"env_vars": forwarded_environment()},
+                                        **resources).remote()
 
     def start_worker(self, settings: Any) -> RayWorker:
         """Rank settings.rank in bundle settings.rank; its device is the one GPU Ray shows it (or the CPU)."""

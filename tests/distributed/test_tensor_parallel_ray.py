@@ -33,13 +33,20 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _rank_actor(engine: int) -> int:
-    """The process of rank 1's actor, among the engine process's descendants: Ray titles an actor's process
-    ray::RankActor.run while it runs `run` (the idle actor that holds rank 0's bundle is ray::RankActor)."""
-    for pid in _descendants(engine):
+def _rank_actor(ancestor: int) -> int:
+    """The process of rank 1's actor, among the descendants of the process that started the Ray cluster: Ray
+    titles an actor's process ray::RankActor.run while it runs `run` (the idle actor that holds rank 0's bundle
+    is ray::RankActor)."""
+    for pid in _descendants(ancestor):
         if "ray::RankActor.run" in cmdline(pid):
             return pid
-    raise AssertionError("no ray::RankActor process under the engine process")
+    raise AssertionError(f"no ray::RankActor process under process {ancestor}")
+
+
+def _environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        entries = f.read().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
 def test_ray_ranks_generate_as_tp1_and_leave_nothing_behind(tiny_model_factory):
@@ -90,6 +97,35 @@ def test_a_killed_ray_worker_fails_the_requests_and_ends_the_engine(tiny_model_f
     assert "tensor-parallel worker rank 1" in str(error) or "tensor-parallel rank 1" in str(error), str(error)
     llm.shutdown()
     wait_gone(processes, timeout=60)
+
+
+def test_ray_ranks_get_the_engines_pellucid_settings(tiny_model_factory, monkeypatch):
+    """On a cluster that was running before the engine (here: one this test process starts), a rank's process
+    is started by the cluster, not by the engine, yet it must run with the engine's PELLUCID_ settings (which
+    kernels, which log level), or ranks would differ silently."""
+    import ray
+    model = tiny_model_factory("qwen3", num_hidden_layers=2)
+    prompt = random_prompts(12, [9], vocab=500)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = LLM(model, **ENGINE).generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for name in [name for name in os.environ if name.startswith("PELLUCID_")]:
+        monkeypatch.delenv(name)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        settings = {"PELLUCID_MERGED_PROJ": "0", "PELLUCID_LOG_LEVEL": "WARNING"}
+        for name, value in settings.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+        try:
+            environment = _environment(_rank_actor(os.getpid()))
+            got = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        finally:
+            llm.shutdown()
+    finally:
+        ray.shutdown()
+    assert {name: environment.get(name) for name in settings} == settings
+    assert got == expected
 
 
 def test_a_cluster_without_the_resources_is_a_startup_error(tiny_model_factory):
