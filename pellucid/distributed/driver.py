@@ -40,6 +40,7 @@ import zmq
 
 from pellucid.child_process import describe_exit, start_child
 from pellucid.config import EngineConfig
+from pellucid.distributed.environment import rank_environment
 from pellucid.distributed.parallel_state import TensorParallel, TensorParallelStartupError, init_tensor_parallel
 from pellucid.distributed.step_sync import StepEncoder
 from pellucid.engine.scheduler_output import SchedulerOutput
@@ -236,7 +237,7 @@ class WorkerGroup:
         self.tp = init_tensor_parallel(0, self.size, self.device, "env://", timeout_s=STARTUP_TIMEOUT_S,
                                        all_reduce=config.parallel.all_reduce)
         host = os.environ.get("PELLUCID_TP_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        addresses = {"reply": _bind_tcp(self._replies, host), "steps": {}}
+        addresses = {"reply": _bind_tcp(self._replies, host), "steps": {}, "environment": rank_environment()}
         for rank in range(1, self.size):
             sock = self._context.socket(zmq.PUSH)
             self._steps.append(sock)

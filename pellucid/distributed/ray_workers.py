@@ -12,17 +12,17 @@ Ray owns the actors' processes: they end with their owner, the engine process, h
 
 A Ray worker process does not inherit the engine process's environment (the raylet of its node starts it,
 on another machine, or from a cluster started before the engine), so each actor is given the engine's
-`PELLUCID_` variables (`forwarded_environment`): every rank runs the kernels and logging the user asked for.
+`PELLUCID_` variables (environment.py): every rank runs the kernels and logging the user asked for.
 """
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
 
 import torch
 
 from pellucid.child_process import on_abrupt_exit
+from pellucid.distributed.environment import rank_environment
 from pellucid.distributed.parallel_state import TensorParallelStartupError
 from pellucid.logger import get_logger
 
@@ -36,11 +36,6 @@ def import_ray() -> Any:
         raise TensorParallelStartupError(
             "distributed_executor_backend='ray' needs Ray: pip install 'pellucid[ray]' (or ray)") from exc
     return ray
-
-
-def forwarded_environment() -> dict[str, str]:
-    """The engine process's settings that every rank must share: its `PELLUCID_` environment variables."""
-    return {name: value for name, value in os.environ.items() if name.startswith("PELLUCID_")}
 
 
 class RankActor:
@@ -144,7 +139,7 @@ class RayRanks:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
         resources = {"num_gpus": 1, "num_cpus": 0} if self.use_gpus else {"num_cpus": 1}
-        return self.actor_class.options(scheduling_strategy=strategy, runtime_env={"env_vars": forwarded_environment()},
+        return self.actor_class.options(scheduling_strategy=strategy, runtime_env={"env_vars": rank_environment()},
                                         **resources).remote()
 
     def start_worker(self, settings: Any) -> RayWorker:

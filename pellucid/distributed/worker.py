@@ -25,7 +25,8 @@ import zmq
 from pellucid.child_process import exit_now, exit_when_parent_is_gone
 from pellucid.config import EngineConfig, resolve_device
 from pellucid.distributed.driver import Stop, WorkerSettings, rank_device
-from pellucid.distributed.parallel_state import init_tensor_parallel
+from pellucid.distributed.environment import environment_differences, rank_environment
+from pellucid.distributed.parallel_state import TensorParallelStartupError, init_tensor_parallel
 from pellucid.distributed.step_sync import StepMessage, WorkerRequests
 from pellucid.engine.features import get_feature
 from pellucid.logger import get_logger
@@ -57,6 +58,12 @@ class Worker:
             holder: list[Any] = [None]
             dist.broadcast_object_list(holder, src=0, group=tp.cpu_group)
             self.reply.connect(holder[0]["reply"])
+            differences = environment_differences(holder[0]["environment"], rank_environment())
+            if differences:
+                raise TensorParallelStartupError(
+                    f"tensor-parallel rank {self.rank} was started with other PELLUCID_ settings than rank 0 "
+                    f"({'; '.join(differences)}): every rank must compute as rank 0 does; start every rank with "
+                    "the same environment")
             steps = context.socket(zmq.PULL)
             steps.connect(holder[0]["steps"][self.rank])
         torch.manual_seed(self.config.model.seed)    # as the engine core: every rank draws the same samples

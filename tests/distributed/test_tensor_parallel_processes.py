@@ -84,3 +84,27 @@ def test_ranks_launched_by_torchrun_generate_as_tp1(tiny_model_factory):
     for prompt, out in zip(prompts, expected):
         assert f"--- prompt: {prompt!r} (8 tokens, finish: length)\n{out.outputs[0].text}\n" in done.stdout
     assert done.stdout.count("--- prompt:") == len(prompts)      # printed by rank 0 only
+
+
+def test_torchrun_nodes_with_other_pellucid_settings_are_a_startup_error(tiny_model_factory):
+    """Two torchrun "nodes" (on this machine), the second started with PELLUCID_MERGED_PROJ=0: its rank would
+    compute its shard with other kernels than rank 0, so rank 0's command fails at start-up, naming the variable."""
+    model = tiny_model_factory("qwen3", num_hidden_layers=2)
+    port = free_port()
+    base = {name: value for name, value in os.environ.items() if not name.startswith("PELLUCID_")}
+    base["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    nodes = []
+    # The log level may differ between ranks; merged projections may not.
+    for node_rank, extra in ((0, {}), (1, {"PELLUCID_MERGED_PROJ": "0", "PELLUCID_LOG_LEVEL": "DEBUG"})):
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+             str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "pellucid", "generate",
+             "hello", "--model", model, "--device", "cpu", "--max-model-len", "128", "--num-kv-blocks", "64",
+             "--max-tokens", "4", "--tensor-parallel-size", "2"],
+            cwd=REPO_ROOT, env=dict(base, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [node.communicate(timeout=180) for node in nodes]
+    assert nodes[0].returncode != 0, outputs[0][1][-3000:]
+    expected = "PELLUCID_MERGED_PROJ: rank 0 has 'unset', this rank '0'"
+    assert expected in outputs[0][1], outputs[0][1][-3000:]        # rank 0's engine reports rank 1's error
+    assert "PELLUCID_LOG_LEVEL:" not in outputs[0][1]
+    assert "--- prompt:" not in outputs[0][0]
