@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Integer settings travel to the engine as 64-bit integers (and seed torch generators, which take no more).
+_INT64_MIN, _INT64_MAX = -2 ** 63, 2 ** 63 - 1
 
 
 @dataclass
@@ -68,8 +70,15 @@ class SamplingParams:
             bad("logprobs", "must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             bad("prompt_logprobs", "must be >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not _INT64_MIN <= self.seed <= _INT64_MAX - (self.n - 1)):
+            bad("seed", "must be an integer in [-2**63, 2**63 - n] (sample i of n draws with seed + i)")
+        for name in ("top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > _INT64_MAX:
+                bad(name, "must be below 2**63")
+        if any(not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, 2**63), got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 

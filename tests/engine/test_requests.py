@@ -134,6 +134,16 @@ def test_stop_string_spanning_tokens_is_trimmed_exactly(llm, seed):
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    # Values the engine's 64-bit messages and torch's generators cannot hold (an HTTP client can send any).
+    (dict(seed=2 ** 63), "seed"),
+    (dict(seed=-2 ** 63 - 1), "seed"),
+    (dict(seed=2 ** 63 - 2, n=3), "seed"),
+    (dict(top_k=2 ** 70), "top_k"),
+    (dict(max_tokens=2 ** 63), "max_tokens"),
+    (dict(logprobs=2 ** 64), "logprobs"),
+    (dict(prompt_logprobs=2 ** 64), "prompt_logprobs"),
+    (dict(stop_token_ids=[5, 2 ** 64]), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -28,6 +28,13 @@ BAD_REQUESTS = [
     # any number of engine requests (2**63 made the server allocate until it ran out of memory).
     ("completions", {"prompt": "hi", "n": 257}, 400, "n"),
     ("chat/completions", {"messages": CHAT, "n": 2**63}, 400, "n"),
+    # Integers past 64 bits: the engine's messages cannot carry them (they were a 500 from its encoder).
+    ("completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("chat/completions", {"messages": CHAT, "seed": -2**64}, 400, "seed"),
+    ("completions", {"prompt": "hi", "top_k": 2**70}, 400, "top_k"),
+    ("completions", {"prompt": "hi", "max_tokens": 2**63}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "logprobs": 2**64}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [2**64]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
     ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
