@@ -36,7 +36,7 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
                                       ModelList, ProtocolError, TokenizeRequest, TokenizeResponse,
                                       chat_template_messages, new_id, validation_error)
-from pellucid.server.responses import ChoiceTracker, Delta, chat_logprobs, completion_logprobs
+from pellucid.server.responses import ChoiceTracker, Delta, chat_logprobs, completion_logprobs, echo_logprobs
 from pellucid.tokenizer import apply_chat_template
 from pellucid.tracing.http import trace_extras, with_saves
 from pellucid.tracing.plan import TRACE_KEY
@@ -224,7 +224,9 @@ class OpenAIServer:
         self.check_model(body.model)
         body.check_unsupported()
         prompts = body.prompts()
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        # Echoed prompts come with their tokens' logprobs when logprobs are asked for (OpenAI's legacy API;
+        # scoring harnesses read them).
+        params = body.sampling_params(body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
         request_id = new_id("cmpl")
         extras = self.trace_extras(body)
         extraction = self.extraction_request(body)
@@ -239,8 +241,12 @@ class OpenAIServer:
         for index in sorted(tracker.finals):
             completion = finals[index]
             prefix = echo[index // body.n]
-            logprobs = (completion_logprobs(completion, 0, body.logprobs, len(prefix))
-                        if body.logprobs is not None else None)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(completion, 0, body.logprobs, len(prefix))
+                if body.echo:
+                    logprobs = echo_logprobs(final_outputs[index // body.n], body.logprobs, logprobs,
+                                             self.tokenizer.decode)
             choices.append(CompletionChoice(index=index, text=prefix + completion.text, logprobs=logprobs,
                                             finish_reason=completion.finish_reason,
                                             stop_reason=completion.stop_reason))
@@ -288,16 +294,27 @@ class OpenAIServer:
         def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
             return CompletionResponse(id=request_id, model=self.model_name, choices=choices)
 
-        def choice(delta: Delta) -> CompletionChoice:
-            return CompletionChoice(
-                index=delta.index, text=delta.text,
-                logprobs=(completion_logprobs(delta.output, delta.token_start, body.logprobs, delta.text_start)
-                          if body.logprobs is not None else None),
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.output.stop_reason if delta.finish_reason else None)
+        # An echoed prompt opens the stream, or, when its logprobs are asked for (known once the engine has
+        # run the prompt), opens each choice's first chunk.
+        echo_first = body.echo and body.logprobs is not None
 
-        opening = ([chunk([CompletionChoice(index=i * body.n + j, text=echo[i])
-                           for i in range(len(streams)) for j in range(body.n)])] if body.echo else [])
+        def choice(delta: Delta) -> CompletionChoice:
+            prefix = echo[delta.index // body.n]
+            text, logprobs = delta.text, None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(delta.output, delta.token_start, body.logprobs,
+                                               len(prefix) + delta.text_start)
+            if echo_first and delta.text_start == 0 and delta.token_start == 0:
+                text = prefix + text
+                assert logprobs is not None
+                logprobs = echo_logprobs(delta.request, body.logprobs, logprobs, self.tokenizer.decode)
+            return CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
+                                    stop_reason=delta.output.stop_reason if delta.finish_reason else None)
+
+        opening = []
+        if body.echo and not echo_first:
+            opening = [chunk([CompletionChoice(index=i * body.n + j, text=echo[i])
+                              for i in range(len(streams)) for j in range(body.n)])]
         return self._event_stream(opening, chunk, choice, body.include_usage_in_stream, streams, tracker, timer)
 
     async def _event_stream(self, opening: list[BaseModel], chunk: Callable[[list[Any]], BaseModel],

@@ -80,7 +80,8 @@ class _SamplingRequest(_Lenient):
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's SamplingParams; invalid values raise ProtocolError naming the field."""
         try:
             return SamplingParams(
@@ -90,7 +91,7 @@ class _SamplingRequest(_Lenient):
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-                skip_special_tokens=self.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
         except ValueError as exc:
             message = str(exc)
             # SamplingParams messages start with the offending field's name.
@@ -132,8 +133,6 @@ class CompletionRequest(_SamplingRequest):
             raise ProtocolError("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ProtocolError("best_of different from n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise ProtocolError("echo together with logprobs is not supported", param="echo")
 
 
 class ContentPart(_Lenient):
@@ -249,9 +248,10 @@ def new_id(prefix: str) -> str:
 
 
 class CompletionLogprobs(BaseModel):
+    # With echo the prompt's tokens come first; its first token has no logprob (null), as in OpenAI's API.
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

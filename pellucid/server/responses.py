@@ -6,6 +6,7 @@ streamed and the non-streamed paths share the same bookkeeping (and the same num
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pellucid.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pellucid.server.protocol import (ChatLogprobToken, ChatLogprobs, CompletionLogprobs, TopLogprob,
@@ -33,6 +34,32 @@ def completion_logprobs(output: CompletionOutput, start: int, k: int, text_offse
         result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(token)
+    return result
+
+
+def echo_logprobs(request: RequestOutput, k: int, output_logprobs: CompletionLogprobs,
+                  decode: Callable[[list[int]], str]) -> CompletionLogprobs:
+    """An echoed prompt's logprobs followed by `output_logprobs` (OpenAI's legacy completions with echo): per
+    prompt token its text, logprob and top k (the first token has none), offsets counted from 0."""
+    result = CompletionLogprobs()
+    positions = request.prompt_logprobs or [None] * len(request.prompt_token_ids)
+    offset = 0
+    for tid, position in zip(request.prompt_token_ids, positions):
+        chosen = position.get(tid) if position is not None else None
+        token = (chosen.decoded_token or "") if chosen is not None else decode([tid])
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob if chosen is not None else None)
+        top = None
+        if chosen is not None and position is not None:
+            top = {token: chosen.logprob}
+            top.update({text: lp for _, lp, text in _top(position, k)})
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(token)
+    result.tokens += output_logprobs.tokens
+    result.token_logprobs += output_logprobs.token_logprobs
+    result.top_logprobs += output_logprobs.top_logprobs
+    result.text_offset += output_logprobs.text_offset
     return result
 
 
@@ -66,6 +93,7 @@ class Delta:
     token_start: int                # first output position not sent before
     text_start: int                 # characters of this choice sent before
     finish_reason: str | None
+    request: RequestOutput          # the output it came from (its prompt's token ids and logprobs)
 
 
 @dataclass
@@ -92,7 +120,7 @@ class ChoiceTracker:
             finish = completion.finish_reason
             if not new_text and finish is None:
                 continue
-            deltas.append(Delta(index, completion, new_text, progress.tokens_sent, progress.text_sent, finish))
+            deltas.append(Delta(index, completion, new_text, progress.tokens_sent, progress.text_sent, finish, output))
             progress.text_sent = len(completion.text)
             progress.tokens_sent = len(completion.token_ids)
             progress.finished = finish is not None

@@ -150,6 +150,54 @@ def test_completion_logprobs_match_transformers(client, reference_llm, hf):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(client, hf, stream):
+    """echo + logprobs (how scoring harnesses such as lm-evaluation-harness read a prompt's loglikelihood):
+    the prompt's tokens come first, the first without a logprob, then the generated ones; logprobs and top
+    alternatives equal transformers', with n = 2 and two prompts."""
+    model, tokenizer = hf
+    prompts, k, n = ["the quick brown fox jumps", "hello world"], 2, 2
+    kwargs = dict(model=MODEL_NAME, prompt=prompts, max_tokens=3, temperature=0, logprobs=k, echo=True, n=n,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        choices: dict[int, list] = {}
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                choices.setdefault(c.index, []).append(c)
+        merged = {}
+        for index, parts in choices.items():
+            texts = "".join(c.text for c in parts)
+            lps = [c.logprobs for c in parts if c.logprobs is not None]
+            merged[index] = (texts, [t for lp in lps for t in lp.tokens], [x for lp in lps for x in lp.token_logprobs],
+                             [x for lp in lps for x in lp.top_logprobs], [x for lp in lps for x in lp.text_offset])
+    else:
+        resp = client.completions.create(**kwargs)
+        merged = {c.index: (c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs,
+                            c.logprobs.text_offset) for c in resp.choices}
+    assert sorted(merged) == list(range(len(prompts) * n))
+    for index, (text, tokens, token_logprobs, top_logprobs, offsets) in merged.items():
+        prompt = prompts[index // n]
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        assert text.startswith(prompt)
+        assert len(tokens) == len(prompt_ids) + 3
+        assert token_logprobs[0] is None and top_logprobs[0] is None
+        scored = list(prompt_ids)
+        with torch.no_grad():
+            for _ in range(3):      # transformers' own greedy continuation (temperature 0)
+                scored.append(int(model(torch.tensor([scored])).logits[0, -1].argmax()))
+            reference = torch.log_softmax(model(torch.tensor([scored])).logits[0].float(), dim=-1)
+        assert tokens == [tokenizer.decode([t]) for t in scored]
+        for pos in range(1, len(tokens)):
+            tid = scored[pos]
+            assert token_logprobs[pos] == pytest.approx(reference[pos - 1, tid].item(), abs=1e-4)
+            candidates = list(dict.fromkeys([tid] + torch.topk(reference[pos - 1], k).indices.tolist()))
+            texts = [tokenizer.decode([c]) for c in candidates]
+            for alt, alt_text in zip(candidates, texts):
+                if texts.count(alt_text) == 1:      # keyed by text: two tokens that decode alike share a key
+                    assert top_logprobs[pos][alt_text] == pytest.approx(reference[pos - 1, alt].item(), abs=1e-4)
+        assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+
+
 def test_chat_logprobs_streamed_equal_non_streamed(client):
     kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "the brown fox"}], max_tokens=6,
                   temperature=0, logprobs=True, top_logprobs=2)
