@@ -36,7 +36,8 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
                                       ModelList, ProtocolError, TokenizeRequest, TokenizeResponse,
                                       chat_template_messages, new_id, validation_error)
-from pellucid.server.responses import ChoiceTracker, Delta, chat_logprobs, completion_logprobs, echo_logprobs
+from pellucid.server.responses import (ChoiceTracker, Delta, chat_logprobs, completion_logprobs, echo_logprobs,
+                                       prompt_logprobs)
 from pellucid.tokenizer import apply_chat_template
 from pellucid.tracing.http import trace_extras, with_saves
 from pellucid.tracing.plan import TRACE_KEY
@@ -226,7 +227,8 @@ class OpenAIServer:
         prompts = body.prompts()
         # Echoed prompts come with their tokens' logprobs when logprobs are asked for (OpenAI's legacy API;
         # scoring harnesses read them).
-        params = body.sampling_params(body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
+        wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+        params = body.sampling_params(body.max_tokens, body.logprobs, max(wanted) if wanted else None)
         request_id = new_id("cmpl")
         extras = self.trace_extras(body)
         extraction = self.extraction_request(body)
@@ -247,9 +249,11 @@ class OpenAIServer:
                 if body.echo:
                     logprobs = echo_logprobs(final_outputs[index // body.n], body.logprobs, logprobs,
                                              self.tokenizer.decode)
-            choices.append(CompletionChoice(index=index, text=prefix + completion.text, logprobs=logprobs,
-                                            finish_reason=completion.finish_reason,
-                                            stop_reason=completion.stop_reason))
+            choices.append(CompletionChoice(
+                index=index, text=prefix + completion.text, logprobs=logprobs, finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                prompt_logprobs=(prompt_logprobs(final_outputs[index // body.n], body.prompt_logprobs)
+                                 if body.prompt_logprobs is not None else None)))
         response = with_saves(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                  usage=tracker.usage()).model_dump(), final_outputs)
         if extraction is not None:
@@ -363,7 +367,7 @@ class OpenAIServer:
         body.check_text_only()
         prompt_ids = self.chat_prompt(body, body.messages, body.continue_final_message)
         top_logprobs = body.num_logprobs()
-        params = body.sampling_params(body.effective_max_tokens(), top_logprobs)
+        params = body.sampling_params(body.effective_max_tokens(), top_logprobs, body.prompt_logprobs)
         request_id = new_id("chatcmpl")
         extras = self.trace_extras(body)
         streams = await self.add_all([prompt_ids], params, request_id, param="messages", extras=extras)
@@ -376,8 +380,11 @@ class OpenAIServer:
                               logprobs=chat_logprobs(finals[index], 0, top_logprobs) if top_logprobs is not None else None,
                               finish_reason=finals[index].finish_reason, stop_reason=finals[index].stop_reason)
                    for index in sorted(finals)]
-        return JSONResponse(with_saves(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                                              usage=tracker.usage()).model_dump(), final_outputs))
+        scored = (prompt_logprobs(final_outputs[0], body.prompt_logprobs) if body.prompt_logprobs is not None
+                  else None)
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=tracker.usage(),
+                                          prompt_logprobs=scored)
+        return JSONResponse(with_saves(response.model_dump(), final_outputs))
 
     def _chat_events(self, body: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
                      tracker: ChoiceTracker, timer: RequestTimer, top_logprobs: int | None) -> AsyncIterator[str]:

@@ -139,6 +139,8 @@ class OmniServer:
             raise ProtocolError("this server answers one choice per request (n=1)", param="n")
         if body.logprobs:
             raise ProtocolError("logprobs are not served by the speech pipeline", param="logprobs")
+        if body.prompt_logprobs is not None:
+            raise ProtocolError("prompt_logprobs are not served by the speech pipeline", param="prompt_logprobs")
         try:
             prompt_ids = apply_chat_template(self.omni.tokenizer, chat_template_messages(body.messages),
                                              body.add_generation_prompt, **(body.chat_template_kwargs or {}))

@@ -71,6 +71,7 @@ class _SamplingRequest(_Lenient):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None      # per prompt token its logprob and the top alternatives (not streamed)
     # Pellucid tracing: a list of JSON ops, checked by pellucid/tracing/http.py (docs/tracing.md)
     interventions: Any = None
 
@@ -79,6 +80,8 @@ class _SamplingRequest(_Lenient):
             raise ProtocolError("logit_bias is not supported by this server", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ProtocolError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -255,12 +258,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int                       # 1-based, under the model's distribution at that position
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt position (None for the first) token id -> its entry, for the prompt's token
+# and the top alternatives.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -306,6 +321,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

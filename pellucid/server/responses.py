@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pellucid.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pellucid.server.protocol import (ChatLogprobToken, ChatLogprobs, CompletionLogprobs, TopLogprob,
-                                      UsageInfo)
+from pellucid.server.protocol import (ChatLogprobToken, ChatLogprobs, CompletionLogprobs, PromptLogprob,
+                                      PromptLogprobs, TopLogprob, UsageInfo)
 
 
 def _top(position: PositionLogprobs, k: int) -> list[tuple[int, float, str]]:
@@ -60,6 +60,18 @@ def echo_logprobs(request: RequestOutput, k: int, output_logprobs: CompletionLog
     result.token_logprobs += output_logprobs.token_logprobs
     result.top_logprobs += output_logprobs.top_logprobs
     result.text_offset += output_logprobs.text_offset
+    return result
+
+
+def prompt_logprobs(request: RequestOutput, k: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt position its token's entry and the top k alternatives' (None first)."""
+    result: PromptLogprobs = []
+    for tid, position in zip(request.prompt_token_ids, request.prompt_logprobs or []):
+        if position is None:
+            result.append(None)
+            continue
+        result.append({t: PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.decoded_token or "")
+                       for t, e in position.items() if t == tid or e.rank <= k})
     return result
 
 

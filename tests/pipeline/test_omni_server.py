@@ -123,6 +123,7 @@ def test_tracing_runs_on_the_thinker_at_hf_paths(omni_server) -> None:
     ({"modalities": ["audio"], "audio": {"voice": "ethan"}}, "modalities", "['text', 'audio']"),
     ({"modalities": ["text", "audio"], "audio": {"voice": "ethan"}, "stop": ["x"]}, "messages", "stop"),
     ({"modalities": ["text", "audio"], "audio": {"voice": "ethan"}, "max_tokens": 1}, "messages", "max_tokens >= 2"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs", "speech pipeline"),
 ])
 def test_bad_audio_requests_are_refused_by_name(omni_server, body, param, words) -> None:
     url, _ = omni_server

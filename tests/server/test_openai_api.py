@@ -198,6 +198,45 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers(client, hf, stream
         assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
 
 
+def _check_prompt_logprobs(scored, prompt_ids, model, k):
+    """vLLM's prompt_logprobs against transformers: None first, then per position the prompt token's logprob and
+    rank and the top k alternatives."""
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    assert len(scored) == len(prompt_ids) and scored[0] is None
+    for pos in range(1, len(prompt_ids)):
+        entries = {int(t): e for t, e in scored[pos].items()}
+        row = reference[pos - 1]
+        expected = set(torch.topk(row, k).indices.tolist()) | {prompt_ids[pos]}
+        assert set(entries) == expected
+        for tid, entry in entries.items():
+            assert entry["logprob"] == pytest.approx(row[tid].item(), abs=1e-4)
+            assert entry["rank"] == int((row > row[tid]).sum()) + 1
+
+
+def test_prompt_logprobs_equal_transformers(server, hf):
+    """vLLM's `prompt_logprobs` extension on both endpoints (the chat prompt through its template); refused
+    when streaming."""
+    model, tokenizer = hf
+    k = 3
+    body = {"model": MODEL_NAME, "prompt": "the quick brown fox jumps over", "max_tokens": 2, "prompt_logprobs": k,
+            "n": 2, "temperature": 0.8, "seed": 3}
+    response = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 2 and choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    _check_prompt_logprobs(choices[0]["prompt_logprobs"], tokenizer(body["prompt"])["input_ids"], model, k)
+    messages = [{"role": "user", "content": "what is the brown fox?"}]
+    chat = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
+                      json={"model": MODEL_NAME, "messages": messages, "max_tokens": 2, "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    _check_prompt_logprobs(chat.json()["prompt_logprobs"], prompt_ids, model, 0)
+    streamed = httpx.post(f"{server.base_url}/completions", json=dict(body, stream=True), timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_chat_logprobs_streamed_equal_non_streamed(client):
     kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "the brown fox"}], max_tokens=6,
                   temperature=0, logprobs=True, top_logprobs=2)
