@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 import pellucid
 from pellucid.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
@@ -35,7 +35,7 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
                                       DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
                                       ModelList, ProtocolError, TokenizeRequest, TokenizeResponse,
-                                      chat_template_messages, new_id, validation_error)
+                                      chat_template_messages, new_id, parse_request)
 from pellucid.server.responses import (ChoiceTracker, Delta, chat_logprobs, completion_logprobs, echo_logprobs,
                                        prompt_logprobs)
 from pellucid.tokenizer import apply_chat_template
@@ -100,21 +100,12 @@ class OpenAIServer:
         self.lm_head = llm.info.lm_head          # the head's describe(); its row counters come with the stats
         self.metrics.set_lm_head(self.lm_head)
         self.extraction = ServerExtraction(llm, extract_dir)   # the extract_hidden_states field
+        self.ignored_fields: set[str] = set()    # request fields this server does not know, warned about once each
 
     # ---- plumbing ----------------------------------------------------------------------------
 
     async def parse(self, request: Request, model: type[ModelT]) -> ModelT:
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ProtocolError("request body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from exc
+        return parse_request(await request.body(), model, self.ignored_fields)
 
     def trace_extras(self, body: Any) -> dict[str, Any] | None:
         """Engine extras for the request's `interventions` (pellucid/tracing/http.py); None without them."""

@@ -31,7 +31,7 @@ from pellucid.server.app import (EventStream, add_service_routes, error_response
 from pellucid.server.audio import FORMATS, pcm16, wav, wav_header
 from pellucid.server.disconnect import ClientDisconnected, until_disconnect
 from pellucid.server.protocol import (ChatCompletionRequest, ModelCard, ModelList, ProtocolError, UsageInfo,
-                                      chat_template_messages, new_id, validation_error)
+                                      chat_template_messages, new_id, parse_request)
 from pellucid.tokenizer import apply_chat_template
 from pellucid.tracing.http import trace_extras, with_saves
 
@@ -112,20 +112,10 @@ class OmniServer:
         self.omni = omni
         self.model_name = served_model_name
         self.metrics = OmniMetrics(served_model_name, list(omni.pipeline.graph.order))
+        self.ignored_fields: set[str] = set()    # request fields this server does not know, warned about once each
 
     async def parse(self, request: Request) -> ChatCompletionRequest:
-        import json
-        from pydantic import ValidationError
-        try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ProtocolError("request body must be a JSON object")
-        try:
-            return ChatCompletionRequest.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from exc
+        return parse_request(await request.body(), ChatCompletionRequest, self.ignored_fields)
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:

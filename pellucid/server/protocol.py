@@ -1,17 +1,22 @@
 """OpenAI-compatible request and response models (field names as OpenAI and vLLM spell them).
 
-Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep working;
-a known field with a value of the wrong type is a 400 that names the field.
+Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep working (the
+server log names each the first time it comes); a known field with a value of the wrong type is a 400
+that names the field.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pellucid.logger import get_logger
 from pellucid.sampling_params import SamplingParams
+
+logger = get_logger(__name__)
 
 
 class ProtocolError(ValueError):
@@ -389,6 +394,29 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 def _is_field_name(part: str) -> bool:
     # Field names are snake_case; union tags are type names ("str", "list[int]", "ContentPart").
     return part.isidentifier() and part.islower() and part not in _TYPE_TAGS
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(raw: bytes, model: type[RequestT], warned: set[str]) -> RequestT:
+    """A request body as `model`; ProtocolError naming the problem. Top-level fields the model does not know are
+    logged once each (`warned` remembers them for the server) and ignored."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProtocolError("request body must be a JSON object")
+    try:
+        parsed = model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+    unknown = set(data) - set(model.model_fields) - warned
+    if unknown:
+        warned |= unknown
+        logger.warning("ignoring request field(s) this server does not support: %s", ", ".join(sorted(unknown)))
+    return parsed
 
 
 def validation_error(exc: ValidationError) -> ProtocolError:

@@ -80,10 +80,26 @@ def test_bad_input_gets_its_status_and_names_the_field(server, route, body, stat
     good_request_succeeds(server)
 
 
-def test_unknown_fields_are_ignored(server):
-    response = httpx.post(f"{server.base_url}/completions", timeout=60,
-                          json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1}})
-    assert response.status_code == 200, response.text
+def test_unknown_fields_are_ignored_with_a_warning_once(server):
+    """As OpenAI's and vLLM's servers do, an unknown field does not fail the request; the server log names it,
+    once per field."""
+    import logging
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("pellucid")
+    logger.addHandler(handler)
+    try:
+        for _ in range(2):
+            response = httpx.post(f"{server.base_url}/completions", timeout=60,
+                                  json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1},
+                                        "temperature": 0})
+            assert response.status_code == 200, response.text
+    finally:
+        logger.removeHandler(handler)
+    warned = [r for r in records if "frobnicate" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING, [r.getMessage() for r in warned]
+    assert "temperature" not in warned[0].getMessage()
 
 
 def test_internal_failure_of_one_request_is_a_500_and_the_server_keeps_serving(threaded_server):
