@@ -1,6 +1,8 @@
 """End-to-end: Pellucid's greedy generations and logprobs equal transformers' on tiny random models."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -26,15 +28,55 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) ->
     return outs
 
 
+# Where transformers' two best logits are this close (float32, relative), the greedy token depends on summation
+# order: transformers' own logits for Llama tie exactly at one step of a random prompt (2.4241621 for tokens 269
+# and 304) while Pellucid's differ in the 7th digit. Identity is asserted everywhere else.
+NEAR_TIE = 1e-5
+
+
+def _assert_greedy_equal_up_to_near_ties(model_dir: str, prompts: list[list[int]], ours: list[list[int]],
+                                         theirs: list[list[int]]) -> None:
+    """Each sequence equals transformers' greedy one, or first differs at a step where transformers' logits
+    for its token and ours are a near-tie (the continuations differ from there on)."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, mine, reference in zip(prompts, ours, theirs):
+        if mine == reference:
+            continue
+        step = next(j for j, (a, b) in enumerate(zip(mine, reference)) if a != b)
+        with torch.no_grad():
+            row = hf(torch.tensor([prompt + reference[:step]])).logits[0, -1]
+        gap = (row[reference[step]] - row[mine[step]]).abs().item()
+        assert gap <= NEAR_TIE * max(1.0, row[reference[step]].abs().item()), (
+            f"greedy tokens differ at step {step} of a {len(prompt)}-token prompt: transformers {reference[step]}, "
+            f"Pellucid {mine[step]}, logit gap {gap:.3g} (not a near-tie)")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_generation_matches_transformers(tiny_model_factory, arch):
     model_dir = tiny_model_factory(arch)
     llm = LLM(model_dir, dtype="float32", device="cpu")
     vocab = llm.engine.runner.head.vocab_size
-    prompts = _random_prompts(vocab, [5, 17, 33, 50], seed=hash(arch) % 1000)
+    # A stable seed per architecture (hash() of a str changes with every interpreter).
+    prompts = _random_prompts(vocab, [5, 17, 33, 50], seed=zlib.crc32(arch.encode()) % 1000)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert ours == _hf_greedy(model_dir, prompts, 32)
+    _assert_greedy_equal_up_to_near_ties(model_dir, prompts, ours, _hf_greedy(model_dir, prompts, 32))
+
+
+def test_a_near_tie_is_told_from_a_divergence(tiny_model_factory):
+    """The tie allowance above: the Llama prompt whose step 26 ties in transformers' logits passes; the same
+    sequence with a token transformers ranks well below its best fails."""
+    model_dir = tiny_model_factory("llama")
+    prompt = _random_prompts(512, [5], seed=626)[0]
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    ours = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    theirs = _hf_greedy(model_dir, [prompt], 32)[0]
+    _assert_greedy_equal_up_to_near_ties(model_dir, [prompt], [ours], [theirs])
+    wrong = list(theirs)
+    wrong[3] = 475 if theirs[3] != 475 else 476
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        _assert_greedy_equal_up_to_near_ties(model_dir, [prompt], [wrong], [theirs])
 
 
 def test_logprobs_and_prompt_logprobs_match_transformers(tiny_model_factory):
