@@ -41,9 +41,17 @@ class ModelConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None
+    # Most top alternatives a request may ask for per position (logprobs, prompt_logprobs), as vLLM's
+    # max_logprobs: each step's logprob tensor is as wide as its widest request, for every row, and copied to
+    # the host, so one request must not make it vocabulary-wide for a whole batch. -1: the vocabulary.
+    max_logprobs: int = 20
     # The stage of a multi-stage checkpoint this engine serves (Qwen3-Omni: "thinker", "talker", "code2wav");
     # None for a single model. A pipeline (pellucid.pipeline) sets it for each of its engines.
     submodel: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the vocabulary, got {self.max_logprobs!r}")
 
 
 @dataclass

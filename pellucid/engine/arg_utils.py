@@ -43,6 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "NCCL throughout (logged) where it cannot run (default: nccl)")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / prompt_logprobs alternatives a request may ask for (-1: the vocabulary)")
     g.add_argument("--head", default="dense", help="LM head: dense, flashhead, or a plugin name")
     g.add_argument("--head-options", type=json.loads, default=None,
                    help='JSON options for the head, e.g. \'{"probes": 256}\'')
@@ -57,6 +59,6 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 async_scheduling=args.async_scheduling, engine_process=args.engine_process,
-                attention_backend=args.attention_backend, seed=args.seed,
+                attention_backend=args.attention_backend, seed=args.seed, max_logprobs=args.max_logprobs,
                 head=args.head, head_options=args.head_options, tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend, all_reduce=args.all_reduce)

@@ -72,6 +72,12 @@ class InputProcessor:
             # Each of the n sequences is a request of its own: without a bound, one request could queue any number.
             raise ValueError(f"n must be at most the engine's max_num_seqs ({self.info.max_num_seqs}), got {params.n}; "
                              f"send several requests for more sequences")
+        limit = self.info.max_logprobs if self.info.max_logprobs >= 0 else self.info.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be at most the engine's max_logprobs ({limit}), got {value}; start "
+                                 f"the engine with a larger max_logprobs (-1: the whole vocabulary)")
         ids = self.prompt_ids(prompt)
         max_total = _max_total_tokens(len(ids), params.max_tokens, self.info.max_model_len)
         checked: dict[str, Any] = {}

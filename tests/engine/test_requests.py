@@ -65,6 +65,27 @@ def test_n_is_bounded_by_max_num_seqs(tiny_model_factory):
     assert len(out[0].outputs) == 4
 
 
+def test_logprobs_are_bounded_by_max_logprobs(llm, tiny_model_factory):
+    """As vLLM's max_logprobs (20 by default): more alternatives are refused before anything is queued; with
+    -1 a request may have the whole vocabulary, whose probabilities then sum to 1."""
+    prompt = _prompts(llm, 6, [7])[0]
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{name} must be at most the engine's max_logprobs \\(20\\), got 21"):
+            llm.generate([prompt], SamplingParams(max_tokens=2, **{name: 21}), use_tqdm=False)
+        assert not llm.has_unfinished_requests()
+    assert llm.generate([prompt], SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=20), use_tqdm=False)
+    whole = LLM(tiny_model_factory("qwen3"), dtype="float32", device="cpu", max_logprobs=-1)
+    vocab = whole.engine.runner.head.vocab_size
+    out = whole.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, logprobs=vocab), use_tqdm=False)
+    for position in out[0].outputs[0].logprobs:
+        assert len(position) == vocab
+        assert sum(torch.tensor([e.logprob for e in position.values()]).exp()).item() == pytest.approx(1.0, abs=1e-4)
+    with pytest.raises(ValueError, match=f"max_logprobs \\({vocab}\\), got {vocab + 1}"):
+        whole.generate([prompt], SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs must be"):
+        LLM(tiny_model_factory("qwen3"), dtype="float32", device="cpu", max_logprobs=-2)
+
+
 def test_max_tokens_and_stop_token_ids(llm):
     prompt = _prompts(llm, 4, [9])[0]
     base = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)

@@ -37,6 +37,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "stop_token_ids": [2**64]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
     ("completions", {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    # More alternatives than the engine's max_logprobs (20): every row of a step would carry that many.
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "prompt_logprobs": 100000}, 400, "prompt_logprobs"),
     ("chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
