@@ -19,21 +19,30 @@ def _top(position: PositionLogprobs, k: int) -> list[tuple[int, float, str]]:
     return [(tid, entry.logprob, entry.decoded_token or "") for _, tid, entry in ranked]
 
 
+def _append_token(result: CompletionLogprobs, tid: int, position: PositionLogprobs | None, k: int, text: str,
+                  text_offset: int) -> int:
+    """Add one token to legacy completions logprobs: its text, logprob and top k (None without a position, as
+    for a prompt's first token); returns the next token's offset."""
+    chosen = position[tid] if position is not None else None
+    token = (chosen.decoded_token or "") if chosen is not None else text
+    result.tokens.append(token)
+    result.token_logprobs.append(chosen.logprob if chosen is not None else None)
+    top = None
+    if chosen is not None:
+        # As vLLM does, the token itself is listed with the top alternatives.
+        top = {token: chosen.logprob}
+        top.update({alt: lp for _, lp, alt in _top(position, k)})
+    result.top_logprobs.append(top)
+    result.text_offset.append(text_offset)
+    return text_offset + len(token)
+
+
 def completion_logprobs(output: CompletionOutput, start: int, k: int, text_offset: int) -> CompletionLogprobs:
     """Legacy completions logprobs for output positions [start:], offsets counted from text_offset."""
     result = CompletionLogprobs()
     positions = output.logprobs or []
     for tid, position in zip(output.token_ids[start:], positions[start:]):
-        chosen = position[tid]
-        token = chosen.decoded_token or ""
-        result.tokens.append(token)
-        result.token_logprobs.append(chosen.logprob)
-        # As vLLM does, the sampled token is listed with the top alternatives.
-        top = {token: chosen.logprob}
-        top.update({text: lp for _, lp, text in _top(position, k)})
-        result.top_logprobs.append(top)
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
+        text_offset = _append_token(result, tid, position, k, "", text_offset)
     return result
 
 
@@ -45,17 +54,7 @@ def echo_logprobs(request: RequestOutput, k: int, output_logprobs: CompletionLog
     positions = request.prompt_logprobs or [None] * len(request.prompt_token_ids)
     offset = 0
     for tid, position in zip(request.prompt_token_ids, positions):
-        chosen = position.get(tid) if position is not None else None
-        token = (chosen.decoded_token or "") if chosen is not None else decode([tid])
-        result.tokens.append(token)
-        result.token_logprobs.append(chosen.logprob if chosen is not None else None)
-        top = None
-        if chosen is not None and position is not None:
-            top = {token: chosen.logprob}
-            top.update({text: lp for _, lp, text in _top(position, k)})
-        result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(token)
+        offset = _append_token(result, tid, position, k, decode([tid]) if position is None else "", offset)
     result.tokens += output_logprobs.tokens
     result.token_logprobs += output_logprobs.token_logprobs
     result.top_logprobs += output_logprobs.top_logprobs
