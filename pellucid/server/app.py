@@ -144,7 +144,8 @@ class OpenAIServer:
 
     async def merged(self, streams: list[RequestStream], timer: RequestTimer,
                      tracker: ChoiceTracker) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of all streams as they arrive, as (prompt index, output); an error ends the response.
+        """Outputs of all streams as they arrive, as (prompt index, output) in the tracker's view; an error ends
+        the response.
 
         Outputs are cumulative, so only the newest unread one per prompt is kept: a slow client
         costs no memory, it just receives bigger deltas.
@@ -154,6 +155,7 @@ class OpenAIServer:
             # no event between the engine's output and the response, per token.
             try:
                 async for output in streams[0]:
+                    output = tracker.view(output)
                     yield 0, output
                     _observe(timer, tracker, output)
             finally:
@@ -167,7 +169,7 @@ class OpenAIServer:
         async def pump(index: int, stream: RequestStream) -> None:
             try:
                 async for output in stream:
-                    newest[index] = output
+                    newest[index] = tracker.view(output)
                     wake.set()
             except Exception as exc:
                 failures.append(exc)
@@ -219,13 +221,13 @@ class OpenAIServer:
         # Echoed prompts come with their tokens' logprobs when logprobs are asked for (OpenAI's legacy API;
         # scoring harnesses read them).
         wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
-        params = body.sampling_params(body.max_tokens, body.logprobs, max(wanted) if wanted else None)
+        params = body.sampling_params(body.engine_max_tokens(), body.logprobs, max(wanted) if wanted else None)
         request_id = new_id("cmpl")
         extras = self.trace_extras(body)
         extraction = self.extraction_request(body)
         streams = await self.add_all(prompts, params, request_id, param="prompt", extras=extras)
         echo = [self._prompt_text(p) if body.echo else "" for p in prompts]
-        tracker = ChoiceTracker(n=body.n)
+        tracker = ChoiceTracker(n=body.n, echo_only=body.echo_only())
         if body.stream:
             return EventStream(self._completion_events(body, request_id, streams, tracker, timer, echo))
         final_outputs: dict[int, RequestOutput] = {}

@@ -135,8 +135,21 @@ class CompletionRequest(_SamplingRequest):
             raise ProtocolError("prompt must not be empty", param="prompt")
         return prompts
 
+    def echo_only(self) -> bool:
+        """OpenAI's echo with max_tokens 0: the prompt comes back (with its logprobs when asked), nothing is
+        generated; how scoring harnesses read a prompt's loglikelihood."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_max_tokens(self) -> int | None:
+        # The engine always samples after a prompt, so an echo-only request runs for one token, which the
+        # response drops (as vLLM does).
+        return 1 if self.echo_only() else self.max_tokens
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if self.echo_only() and self.min_tokens > 0:
+            raise ProtocolError("min_tokens must be 0 when echo asks for no tokens (max_tokens 0)",
+                                param="min_tokens")
         if self.suffix:
             raise ProtocolError("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -5,6 +5,7 @@ streamed and the non-streamed paths share the same bookkeeping (and the same num
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -62,6 +63,19 @@ def echo_logprobs(request: RequestOutput, k: int, output_logprobs: CompletionLog
     return result
 
 
+def without_generation(output: RequestOutput) -> RequestOutput:
+    """An echo-only request's output (OpenAI's echo with max_tokens 0): the token the engine sampled after the
+    prompt is dropped, and a choice that finished by a stop or its length ends for its length of 0 (an abort
+    or an error stays one)."""
+    def ended(reason: str | None) -> str | None:
+        return "length" if reason in ("stop", "length") else reason
+
+    outputs = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                   finish_reason=ended(c.finish_reason), stop_reason=None)
+               for c in output.outputs]
+    return dataclasses.replace(output, outputs=outputs)
+
+
 def prompt_logprobs(request: RequestOutput, k: int) -> PromptLogprobs:
     """vLLM's `prompt_logprobs`: per prompt position its token's entry and the top k alternatives' (None first)."""
     result: PromptLogprobs = []
@@ -112,10 +126,15 @@ class ChoiceTracker:
     """Progress of every choice of one response. Choice index = prompt index * n + sequence index."""
 
     n: int
+    echo_only: bool = False     # OpenAI's echo with max_tokens 0: outputs are seen without their generated token
     progress: dict[int, ChoiceProgress] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: dict[int, int] = field(default_factory=dict)
     finals: dict[int, CompletionOutput] = field(default_factory=dict)
+
+    def view(self, output: RequestOutput) -> RequestOutput:
+        """The engine's output as this response reports it."""
+        return without_generation(output) if self.echo_only else output
 
     def update(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)

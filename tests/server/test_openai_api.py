@@ -1,6 +1,8 @@
 """The server through the official openai client, checked against LLM.generate and transformers."""
 from __future__ import annotations
 
+import random
+
 import httpx
 import openai
 import pytest
@@ -157,45 +159,87 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers(client, hf, stream
     alternatives equal transformers', with n = 2 and two prompts."""
     model, tokenizer = hf
     prompts, k, n = ["the quick brown fox jumps", "hello world"], 2, 2
-    kwargs = dict(model=MODEL_NAME, prompt=prompts, max_tokens=3, temperature=0, logprobs=k, echo=True, n=n,
-                  extra_body={"ignore_eos": True})
-    if stream:
-        choices: dict[int, list] = {}
-        for chunk in client.completions.create(stream=True, **kwargs):
-            for c in chunk.choices:
-                choices.setdefault(c.index, []).append(c)
-        merged = {}
-        for index, parts in choices.items():
-            texts = "".join(c.text for c in parts)
-            lps = [c.logprobs for c in parts if c.logprobs is not None]
-            merged[index] = (texts, [t for lp in lps for t in lp.tokens], [x for lp in lps for x in lp.token_logprobs],
-                             [x for lp in lps for x in lp.top_logprobs], [x for lp in lps for x in lp.text_offset])
-    else:
-        resp = client.completions.create(**kwargs)
-        merged = {c.index: (c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs,
-                            c.logprobs.text_offset) for c in resp.choices}
+    merged, _ = _merged_completion_choices(client, stream, model=MODEL_NAME, prompt=prompts, max_tokens=3,
+                                           temperature=0, logprobs=k, echo=True, n=n, extra_body={"ignore_eos": True})
+    merged = {index: choice[:-1] for index, choice in merged.items()}
     assert sorted(merged) == list(range(len(prompts) * n))
-    for index, (text, tokens, token_logprobs, top_logprobs, offsets) in merged.items():
+    for index, (text, *logprobs) in merged.items():
         prompt = prompts[index // n]
         prompt_ids = tokenizer(prompt)["input_ids"]
         assert text.startswith(prompt)
-        assert len(tokens) == len(prompt_ids) + 3
-        assert token_logprobs[0] is None and top_logprobs[0] is None
         scored = list(prompt_ids)
         with torch.no_grad():
             for _ in range(3):      # transformers' own greedy continuation (temperature 0)
                 scored.append(int(model(torch.tensor([scored])).logits[0, -1].argmax()))
-            reference = torch.log_softmax(model(torch.tensor([scored])).logits[0].float(), dim=-1)
-        assert tokens == [tokenizer.decode([t]) for t in scored]
-        for pos in range(1, len(tokens)):
-            tid = scored[pos]
-            assert token_logprobs[pos] == pytest.approx(reference[pos - 1, tid].item(), abs=1e-4)
-            candidates = list(dict.fromkeys([tid] + torch.topk(reference[pos - 1], k).indices.tolist()))
-            texts = [tokenizer.decode([c]) for c in candidates]
-            for alt, alt_text in zip(candidates, texts):
-                if texts.count(alt_text) == 1:      # keyed by text: two tokens that decode alike share a key
-                    assert top_logprobs[pos][alt_text] == pytest.approx(reference[pos - 1, alt].item(), abs=1e-4)
-        assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+        _check_echo_logprobs(*logprobs, scored, hf, k)
+
+
+def _merged_completion_choices(client, stream, **kwargs):
+    """Per choice index (text, tokens, token_logprobs, top_logprobs, text_offset, finish_reason), the chunks of a
+    streamed response joined."""
+    if not stream:
+        resp = client.completions.create(**kwargs)
+        return {c.index: (c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs,
+                          c.logprobs.text_offset, c.finish_reason) for c in resp.choices}, resp.usage
+    choices: dict[int, list] = {}
+    usage = None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            choices.setdefault(c.index, []).append(c)
+    merged = {}
+    for index, parts in choices.items():
+        lps = [c.logprobs for c in parts if c.logprobs is not None]
+        merged[index] = ("".join(c.text for c in parts), [t for lp in lps for t in lp.tokens],
+                         [x for lp in lps for x in lp.token_logprobs], [x for lp in lps for x in lp.top_logprobs],
+                         [x for lp in lps for x in lp.text_offset], parts[-1].finish_reason)
+    return merged, usage
+
+
+def _check_echo_logprobs(tokens, token_logprobs, top_logprobs, offsets, scored, hf, k):
+    """Legacy completions logprobs of the token ids `scored` (prompt first) against transformers': the first
+    token has none, then each token's logprob and the top k alternatives; offsets count characters."""
+    model, tokenizer = hf
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([scored])).logits[0].float(), dim=-1)
+    assert tokens == [tokenizer.decode([t]) for t in scored]
+    assert token_logprobs[0] is None and top_logprobs[0] is None
+    for pos in range(1, len(tokens)):
+        tid = scored[pos]
+        assert token_logprobs[pos] == pytest.approx(reference[pos - 1, tid].item(), abs=1e-4)
+        candidates = list(dict.fromkeys([tid] + torch.topk(reference[pos - 1], k).indices.tolist()))
+        texts = [tokenizer.decode([c]) for c in candidates]
+        for alt, alt_text in zip(candidates, texts):
+            if texts.count(alt_text) == 1:      # keyed by text: two tokens that decode alike share a key
+                assert top_logprobs[pos][alt_text] == pytest.approx(reference[pos - 1, alt].item(), abs=1e-4)
+    assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_no_tokens_returns_the_scored_prompt_only(client, hf, stream):
+    """OpenAI's echo with max_tokens 0 (lm-evaluation-harness style: token-id prompts, logprobs): each choice is
+    its prompt alone, scored as transformers scores it, finished for length, with no completion tokens counted;
+    without logprobs the text alone; min_tokens cannot be asked for with it."""
+    tokenizer = hf[1]
+    rng = random.Random(7 + stream)
+    prompts = [[rng.randrange(5, tokenizer.vocab_size) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+    k, n = 3, 2
+    merged, usage = _merged_completion_choices(client, stream, model=MODEL_NAME, prompt=prompts, max_tokens=0,
+                                               echo=True, logprobs=k, n=n, temperature=0.7)
+    assert sorted(merged) == list(range(len(prompts) * n))
+    for index, (text, tokens, token_logprobs, top_logprobs, offsets, finish) in merged.items():
+        prompt = prompts[index // n]
+        assert text == tokenizer.decode(prompt) and finish == "length"
+        _check_echo_logprobs(tokens, token_logprobs, top_logprobs, offsets, prompt, hf, k)
+    assert usage.completion_tokens == 0 and usage.prompt_tokens == usage.total_tokens == sum(map(len, prompts))
+    plain = client.completions.create(model=MODEL_NAME, prompt="the quick brown fox", max_tokens=0, echo=True,
+                                      stream=stream)
+    choices = [c for chunk in plain for c in chunk.choices] if stream else plain.choices
+    assert "".join(c.text for c in choices) == "the quick brown fox"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=0, echo=True,
+                                  extra_body={"min_tokens": 1})
+    assert refused.value.body["param"] == "min_tokens"
 
 
 def _check_prompt_logprobs(scored, prompt_ids, model, k):

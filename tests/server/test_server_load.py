@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from pellucid.sampling_params import SamplingParams
-from server_harness import MODEL_NAME, parse_metric, random_prompts, wait_until
+from server_harness import MODEL_NAME, random_prompts, wait_until
 from tests.step_faults import slowed_steps
 
 
