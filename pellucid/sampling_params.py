@@ -29,6 +29,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # number of top alternatives returned for each prompt token
     skip_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None      # token id -> added to its logit (OpenAI's; in [-100, 100])
+    allowed_token_ids: list[int] | None = None      # the only tokens the request may sample (vLLM's)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -39,6 +41,10 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -77,10 +83,30 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > _INT64_MAX:
                 bad(name, "must be below 2**63")
-        if any(not isinstance(t, int) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
+        if any(not _is_token_id(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, 2**63), got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.logit_bias is not None:
+            if any(not _is_token_id(t) for t in self.logit_bias):
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {list(self.logit_bias)!r}")
+            if any(not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100
+                   for b in self.logit_bias.values()):
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {self.logit_bias!r}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids
+                                                   or any(not _is_token_id(t) for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got "
+                             f"{self.allowed_token_ids!r}")
+
+    def token_ids_named(self) -> dict[str, list[int]]:
+        """The token ids each field names (for the engine's check against its vocabulary)."""
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or ()),
+                "allowed_token_ids": self.allowed_token_ids or []}
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change the distribution the request samples from."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -89,3 +115,7 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _INT64_MAX

@@ -105,3 +105,58 @@ def test_logprobs_and_prompt_logprobs_match_transformers(tiny_model_factory):
         assert abs(entry[tok].logprob - row[tok].item()) < 1e-4
         assert entry[tok].rank == 1            # greedy picks the top token
         assert set(torch.topk(row, 3).indices.tolist()) <= set(entry)
+
+
+def test_logit_bias_and_allowed_tokens_match_transformers(tiny_model_factory):
+    """logit_bias and allowed_token_ids against transformers' own processors (SequenceBiasLogitsProcessor over
+    one-token sequences, PrefixConstrainedLogitsProcessor), greedy, in one batch with a row that has neither
+    (which stays plain greedy); the logprobs stay the model's raw ones, as vLLM returns them."""
+    from transformers.generation.logits_process import (LogitsProcessorList, PrefixConstrainedLogitsProcessor,
+                                                        SequenceBiasLogitsProcessor)
+    model_dir = tiny_model_factory("llama")
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    vocab = llm.engine.runner.head.vocab_size
+    g = torch.Generator().manual_seed(11)
+    prompts = _random_prompts(vocab, [9, 14, 6, 20], seed=23)
+    tokens = torch.randperm(vocab, generator=g).tolist()
+    bias = {t: float(v) for t, v in zip(tokens[:40], torch.empty(40).uniform_(-6, 6, generator=g).tolist())}
+    bias[tokens[40]] = 9.0     # strong enough to win often, not always
+    allowed = sorted(tokens[50:80])
+    cases = [dict(logit_bias=bias), dict(allowed_token_ids=allowed), dict(logit_bias=bias, allowed_token_ids=allowed),
+             {}]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1, **case) for case in cases]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, case, out in zip(prompts, cases, outs):
+        processors = LogitsProcessorList()
+        if "logit_bias" in case:
+            processors.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in case["logit_bias"].items()]))
+        if "allowed_token_ids" in case:
+            processors.append(PrefixConstrainedLogitsProcessor(lambda batch, ids: allowed, num_beams=1))
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            reference = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0,
+                                    logits_processor=processors)[0, len(prompt):].tolist()
+            raw = torch.log_softmax(hf(torch.tensor([prompt + reference])).logits[0].double(), dim=-1)
+        generated = out.outputs[0].token_ids
+        assert generated == reference, case
+        if "allowed_token_ids" in case:
+            assert set(generated) <= set(allowed)
+        for j, token in enumerate(generated):
+            assert out.outputs[0].logprobs[j][token].logprob == pytest.approx(raw[len(prompt) - 1 + j, token].item(),
+                                                                             abs=1e-4)
+    assert outs[0].outputs[0].token_ids != outs[3].outputs[0].token_ids   # the bias changed something
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_model_factory):
+    """A sampling field naming a token past the vocabulary is refused up front (the sampler indexes logits by
+    it, which on a GPU would take the engine down), naming the field."""
+    llm = LLM(tiny_model_factory("llama"), dtype="float32", device="cpu")
+    vocab = llm.engine.runner.head.vocab_size
+    for field, value in (("logit_bias", {vocab: 1.0}), ("allowed_token_ids", [1, vocab + 5]),
+                         ("stop_token_ids", [vocab])):
+        with pytest.raises(ValueError, match=f"^{field} names token ids outside the vocabulary"):
+            llm.generate(["hello"], SamplingParams(max_tokens=3, min_tokens=2, **{field: value}), use_tqdm=False)
+    out = llm.generate(["hello"], SamplingParams(max_tokens=3, logit_bias={vocab - 1: 1.0}), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= 1

@@ -30,6 +30,7 @@ from pellucid.models.loader import read_eos_token_ids
 from pellucid.runner.model_runner import LaunchedStep
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.runner.rank import start_rank
+from pellucid.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
 
@@ -219,6 +220,7 @@ class EngineCore:
             raise ValueError(f"the engine core runs one sequence per request (got n={params.n}); the frontend "
                              "fans n > 1 out")
         self.check_prompt_ids(request.prompt_token_ids)
+        check_sampling_token_ids(params, self.runner.head.vocab_size)
         missing = [key for key in getattr(self.model, "required_extras", ()) if key not in (request.extras or {})]
         if missing:
             raise ValueError(f"{type(self.model).__name__} serves requests carrying {', '.join(missing)} only (a "
@@ -528,6 +530,15 @@ def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, chunke
     if not chunked_prefill and len(ids) > max_num_batched_tokens:
         raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
                          f"{max_num_batched_tokens} with chunked prefill disabled")
+
+
+def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the sampling field that names a token outside the vocabulary (the sampler indexes the
+    logits by these ids: on a GPU an index past the vocabulary would take the whole engine down)."""
+    for name, ids in params.token_ids_named().items():
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def _eos_token_ids(model_dir: str, tokenizer_dir: str, hf_config: Any) -> set[int]:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pellucid.engine.engine_core import EngineInfo, check_prompt_ids
+from pellucid.engine.engine_core import EngineInfo, check_prompt_ids, check_sampling_token_ids
 from pellucid.engine.features import get_feature
 from pellucid.engine.messages import EngineCoreRequest
 from pellucid.sampling_params import SamplingParams
@@ -78,6 +78,7 @@ class InputProcessor:
             if value is not None and value > limit:
                 raise ValueError(f"{name} must be at most the engine's max_logprobs ({limit}), got {value}; start "
                                  f"the engine with a larger max_logprobs (-1: the whole vocabulary)")
+        check_sampling_token_ids(params, self.info.vocab_size)
         ids = self.prompt_ids(prompt)
         max_total = _max_total_tokens(len(ids), params.max_tokens, self.info.max_model_len)
         checked: dict[str, Any] = {}

@@ -92,10 +92,11 @@ def check_audio_params(params: SamplingParams) -> None:
     if params.stop_strings:
         raise ValueError("stop strings cannot end a spoken answer (the talker may already have spoken past them); "
                          "use stop_token_ids, or ask for text only")
+    # Each message starts with the field's name, which the server reports as the error's param.
     if params.n != 1:
-        raise ValueError(f"audio output needs n=1, got n={params.n}")
+        raise ValueError(f"n must be 1 for audio output, got n={params.n}")
     if params.max_tokens is not None and params.max_tokens < 2:
         # The talker speaks the text positions the thinker computed; the last token the thinker samples is
         # never fed back, so with one token there is nothing to speak.
-        raise ValueError(f"audio output needs max_tokens >= 2, got {params.max_tokens}: the talker speaks the "
+        raise ValueError(f"max_tokens must be >= 2 for audio output, got {params.max_tokens}: the talker speaks the "
                          f"thinker's text, and the thinker's last sampled token is never computed")

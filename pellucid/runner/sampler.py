@@ -1,7 +1,7 @@
 """The sampler: logits -> one token per row, batched over rows with different parameters.
 
 Stages run in the order vLLM applies them, each skipped when SamplingMetadata's host flags say no row
-needs it: banned tokens (min_tokens), penalties, greedy argmax, temperature, min-p, top-k, top-p, then
+needs it: allowed tokens, banned tokens (min_tokens), logit biases, penalties, greedy argmax, temperature, min-p, top-k, top-p, then
 the exponential race (per-token noise that a seeded row draws from its own generators, see
 exponential_noise). Everything stays on the logits' device; the only host work is turning the
 metadata's Python lists (penalty histories, banned ids) into tensors, copied with `non_blocking=True`.
@@ -9,6 +9,7 @@ metadata's Python lists (penalty histories, banned ids) into tensors, copied wit
 from __future__ import annotations
 
 import array
+from collections.abc import Callable
 
 import torch
 
@@ -62,6 +63,48 @@ def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: dict[int, list[i
     index = host_to_device([rows, cols], torch.int64, logits.device)
     minus_inf = torch.full((len(rows),), float("-inf"), device=logits.device)
     return logits.index_put((index[0], index[1]), minus_inf)
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its tokens' logits."""
+    vocab_size = logits.shape[1]
+
+    def build() -> tuple[torch.Tensor, ...]:
+        bias = metadata.logit_bias
+        flat = [row * vocab_size + t for row, b in bias.items() for t in b]
+        values = [v for b in bias.values() for v in b.values()]
+        return host_to_device(flat, torch.int64, logits.device), host_to_device(values, torch.float32, logits.device)
+
+    flat, values = _device_tensors(metadata, "logit_bias", build)
+    # index_add: a (row, token) pair occurs once, so the sum is exact and the order cannot matter.
+    return logits.reshape(-1).index_add(0, flat, values.to(logits.dtype)).view(logits.shape)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """vLLM's allowed_token_ids: a row that names them samples among those tokens only; other rows keep all."""
+    vocab_size = logits.shape[1]
+
+    def build() -> tuple[torch.Tensor, ...]:
+        allowed = metadata.allowed_token_ids
+        flat = [row * vocab_size + t for row, ids in allowed.items() for t in ids]
+        free = [row for row in range(logits.shape[0]) if row not in allowed]
+        return host_to_device(flat, torch.int64, logits.device), host_to_device(free, torch.int64, logits.device)
+
+    flat, free = _device_tensors(metadata, "allowed_token_ids", build)
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    keep.index_fill_(0, free, True)
+    keep.view(-1).index_fill_(0, flat, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _device_tensors(metadata: SamplingMetadata, name: str,
+                    build: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The device tensors of one of the metadata's host fields, built once per metadata (a steady decode batch
+    reuses its metadata step after step)."""
+    tensors = metadata.device_tensors.get(name)
+    if tensors is None:
+        tensors = metadata.device_tensors[name] = build()
+    return tensors
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -171,9 +214,9 @@ def _check_columns(logits: torch.Tensor, metadata: SamplingMetadata, column_toke
     if column_token_ids.shape != logits.shape or vocab_size is None:
         raise ValueError(f"column_token_ids must have the logits' shape {tuple(logits.shape)} and come with "
                          f"vocab_size; got {tuple(column_token_ids.shape)} and {vocab_size}")
-    if metadata.max_num_logprobs is not None or not metadata.no_penalties or metadata.banned_token_ids:
-        raise ValueError("logprobs, penalties and banned tokens need logits over the whole vocabulary, "
-                         "not a head's candidate tokens")
+    if metadata.max_num_logprobs is not None or not metadata.no_penalties or metadata.edits_logits:
+        raise ValueError("logprobs, penalties, banned tokens, logit biases and allowed tokens need logits over the "
+                         "whole vocabulary, not a head's candidate tokens")
 
 
 def _to_vocab_ids(columns: torch.Tensor, column_token_ids: torch.Tensor | None) -> torch.Tensor:
@@ -202,7 +245,7 @@ class Sampler:
         if column_token_ids is not None:
             _check_columns(logits, metadata, column_token_ids, vocab_size)
         if metadata.all_greedy and metadata.max_num_logprobs is None and metadata.no_penalties \
-                and not metadata.banned_token_ids:
+                and not metadata.edits_logits:
             # Plain greedy: argmax on the logits as they are. A float32 copy of [R, V] bf16 logits would
             # cost more device memory traffic than the argmax itself, and picks the same (first) maximum.
             return SamplerOutput(sampled_token_ids=_to_vocab_ids(greedy_argmax(logits), column_token_ids))
@@ -232,9 +275,14 @@ class Sampler:
 
     @staticmethod
     def penalized_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Logits after banned tokens and penalties: greedy rows take their argmax."""
+        """Logits after the allowed tokens, banned tokens, logit biases and penalties (vLLM's order): greedy rows
+        take their argmax."""
+        if metadata.allowed_token_ids:
+            logits = apply_allowed_tokens(logits, metadata)
         if metadata.banned_token_ids:
             logits = apply_banned_tokens(logits, metadata.banned_token_ids)
+        if metadata.logit_bias:
+            logits = apply_logit_bias(logits, metadata)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         return logits

@@ -34,11 +34,22 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]] | None = None   # per row, for repetition penalty (None if no penalties)
     output_token_ids: list[list[int]] | None = None   # per row, for all penalties (None if no penalties)
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids masked (min_tokens)
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token id: added to its logit}
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> the only ids it may sample
     max_num_logprobs: int | None = None  # top-k alternatives to return (None: no logprobs)
     # Rows whose result needs every logit of the vocabulary (they ask for logprobs, carry a penalty or have
     # banned tokens), for heads that may serve the other rows approximately. None (metadata built by hand):
     # every row when the batch has logprobs or penalties, the rows with banned tokens otherwise.
     full_vocab_rows: list[int] | None = None
+    # Device tensors the sampler built from the host fields above, kept for the steps that reuse this metadata
+    # (a steady decode batch); a subset starts empty.
+    device_tensors: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict, init=False, repr=False,
+                                                                 compare=False)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether some row's logits change before sampling by banned tokens, a logit bias or an allowed set."""
+        return bool(self.banned_token_ids or self.logit_bias or self.allowed_token_ids)
 
     def subset(self, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
         """The metadata of `rows` (ascending; `index` the same on the device), renumbered 0..len-1. The host
@@ -53,6 +64,8 @@ class SamplingMetadata:
             seeds={renumber[r]: s for r, s in self.seeds.items() if r in renumber},
             prompt_token_ids=pick(self.prompt_token_ids), output_token_ids=pick(self.output_token_ids),
             banned_token_ids={renumber[r]: ids for r, ids in self.banned_token_ids.items() if r in renumber},
+            logit_bias={renumber[r]: bias for r, bias in self.logit_bias.items() if r in renumber},
+            allowed_token_ids={renumber[r]: ids for r, ids in self.allowed_token_ids.items() if r in renumber},
             full_vocab_rows=None if self.full_vocab_rows is None else
             [renumber[r] for r in self.full_vocab_rows if r in renumber])
 

@@ -77,7 +77,11 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
     if any(p.seed is not None and not p.greedy for p in kinds):
         seeds = {row: _step_seed(r) for row, r in enumerate(requests)
                  if r.generator is not None and not r.sampling_params.greedy}
-    full_vocab_kinds = {id(p) for p in kinds if p.logprobs is not None or p.needs_penalties}
+    logit_bias, allowed = {}, {}
+    if any(p.edits_logits for p in kinds):
+        logit_bias = {row: p.logit_bias for row, p in enumerate(params) if p.logit_bias}
+        allowed = {row: p.allowed_token_ids for row, p in enumerate(params) if p.allowed_token_ids is not None}
+    full_vocab_kinds = {id(p) for p in kinds if p.logprobs is not None or p.needs_penalties or p.edits_logits}
     full_vocab_rows = set(banned)
     if full_vocab_kinds:
         full_vocab_rows.update(row for row, pid in enumerate(param_ids) if pid in full_vocab_kinds)
@@ -102,6 +106,8 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
         prompt_token_ids=prompt_ids,
         output_token_ids=output_ids,
         banned_token_ids=banned,
+        logit_bias=logit_bias,
+        allowed_token_ids=allowed,
         max_num_logprobs=max(requested_logprobs) if requested_logprobs else None,
         full_vocab_rows=sorted(full_vocab_rows),
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,7 +34,7 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
                                       DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
                                       ModelList, ProtocolError, TokenizeRequest, TokenizeResponse,
-                                      chat_template_messages, new_id, parse_request)
+                                      chat_template_messages, new_id, parse_request, sampling_field_of)
 from pellucid.server.responses import (ChoiceTracker, Delta, chat_logprobs, completion_logprobs, echo_logprobs,
                                        prompt_logprobs)
 from pellucid.tokenizer import apply_chat_template
@@ -48,7 +47,6 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # Request features (engine extras keys) and the request field each comes from.
 _EXTRAS_FIELDS = {TRACE_KEY: "interventions", EXTRACTION_KEY: "extract_hidden_states"}
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def error_response_body(error: ProtocolError) -> dict[str, Any]:
@@ -130,11 +128,10 @@ class OpenAIServer:
         except ValueError as exc:
             for stream in streams:
                 stream.cancel()
-            first_word = str(exc).split(" ", 1)[0]
             if isinstance(exc, ExtrasError):     # the request field that carried the feature's value
                 param = _EXTRAS_FIELDS.get(exc.key, param)
-            elif first_word in _SAMPLING_FIELDS:     # a sampling parameter's message starts with its name
-                param = first_word
+            else:
+                param = sampling_field_of(exc, param)
             raise ProtocolError(str(exc), param=param) from exc
         except BaseException:
             for stream in streams:

@@ -31,7 +31,7 @@ from pellucid.server.app import (EventStream, add_service_routes, error_response
 from pellucid.server.audio import FORMATS, pcm16, wav, wav_header
 from pellucid.server.disconnect import ClientDisconnected, until_disconnect
 from pellucid.server.protocol import (ChatCompletionRequest, ModelCard, ModelList, ProtocolError, UsageInfo,
-                                      chat_template_messages, new_id, parse_request)
+                                      chat_template_messages, new_id, parse_request, sampling_field_of)
 from pellucid.tokenizer import apply_chat_template
 from pellucid.tracing.http import trace_extras, with_saves
 
@@ -147,7 +147,7 @@ class OmniServer:
         except ExtrasError as exc:
             raise ProtocolError(str(exc), param="interventions") from exc
         except ValueError as exc:
-            raise ProtocolError(str(exc), param="messages") from exc
+            raise ProtocolError(str(exc), param=sampling_field_of(exc, "messages")) from exc
         if body.stream:
             return EventStream(self._events(body, request_id, stream, audio_format))
         final, samples = await until_disconnect(request, self._collect(stream))

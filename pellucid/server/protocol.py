@@ -6,6 +6,7 @@ that names the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -30,6 +31,15 @@ class ProtocolError(ValueError):
         self.status = status
         self.error_type = error_type
         self.code = code
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_field_of(error: ValueError, default: str | None) -> str | None:
+    """The request field an engine refusal names: a sampling parameter's message starts with its name."""
+    first_word = str(error).split(" ", 1)[0]
+    return first_word if first_word in _SAMPLING_FIELDS else default
 
 
 class ErrorInfo(BaseModel):
@@ -66,7 +76,7 @@ class _SamplingRequest(_Lenient):
     frequency_penalty: float = 0.0
     seed: int | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None   # token id (a string, as JSON keys are) -> added to its logit
     # vLLM extensions (sent by the openai client through extra_body)
     top_k: int = 0
     min_p: float = 0.0
@@ -77,12 +87,11 @@ class _SamplingRequest(_Lenient):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None      # per prompt token its logprob and the top alternatives (not streamed)
+    allowed_token_ids: list[int] | None = None   # the only tokens the request may sample
     # Pellucid tracing: a list of JSON ops, checked by pellucid/tracing/http.py (docs/tracing.md)
     interventions: Any = None
 
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise ProtocolError("logit_bias is not supported by this server", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:
@@ -92,6 +101,11 @@ class _SamplingRequest(_Lenient):
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's SamplingParams; invalid values raise ProtocolError naming the field."""
         try:
+            logit_bias = None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()}
+        except ValueError as exc:
+            raise ProtocolError(f"logit_bias keys must be token ids, got {list(self.logit_bias or ())!r}",
+                                param="logit_bias") from exc
+        try:
             return SamplingParams(
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                 min_p=self.min_p, presence_penalty=self.presence_penalty,
@@ -99,7 +113,8 @@ class _SamplingRequest(_Lenient):
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
+                allowed_token_ids=self.allowed_token_ids)
         except ValueError as exc:
             message = str(exc)
             # SamplingParams messages start with the offending field's name.

@@ -20,6 +20,7 @@ def _params(i: int):
         dict(temperature=1.0, top_k=20, min_p=0.05),
         dict(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2),
         dict(temperature=0.0, min_tokens=4, logprobs=3),
+        dict(temperature=0.9, seed=i, logit_bias={7: 3.0, 11: -2.0}, allowed_token_ids=list(range(5, 300))),
     ]
     return SamplingParams(max_tokens=12 + i % 7, ignore_eos=True, **kinds[i % len(kinds)])
 

@@ -266,6 +266,16 @@ def test_rows_needing_full_vocabulary_use_dense_logits(tmp_path, seed):
     assert torch.equal(out.sampled_token_ids, expected)
     assert head.rows_dense == 6 + 6 + 1 and head.rows_fast == 5
 
+    # A logit bias and an allowed set: those rows go dense, with their edits; the others keep the retrieval result.
+    worst = [int(t) for t in dense_logits.argmin(dim=1)]
+    edits = dict(logit_bias={1: {worst[1]: 100.0}}, allowed_token_ids={4: worst[4:6]})
+    out = head.sample(hidden, make_metadata(6, **edits), sampler)
+    expected = head.greedy(hidden)
+    expected[1] = worst[1]
+    expected[4] = worst[4] if dense_logits[4, worst[4]] >= dense_logits[4, worst[5]] else worst[5]
+    assert torch.equal(out.sampled_token_ids, expected)
+    assert head.rows_dense == 6 + 6 + 1 + 2 and head.rows_fast == 5 + 4
+
 
 def test_build_head_standalone_uses_default_asset_in_model_dir(tmp_path):
     torch.manual_seed(0)

@@ -121,8 +121,10 @@ def test_tracing_runs_on_the_thinker_at_hf_paths(omni_server) -> None:
     ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "audio", "ethan"),
     ({"modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "mp3"}}, "audio", "wav"),
     ({"modalities": ["audio"], "audio": {"voice": "ethan"}}, "modalities", "['text', 'audio']"),
-    ({"modalities": ["text", "audio"], "audio": {"voice": "ethan"}, "stop": ["x"]}, "messages", "stop"),
-    ({"modalities": ["text", "audio"], "audio": {"voice": "ethan"}, "max_tokens": 1}, "messages", "max_tokens >= 2"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "ethan"}, "stop": ["x"]}, "stop", "stop_token_ids"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "ethan"}, "max_tokens": 1}, "max_tokens",
+     "max_tokens must be >= 2"),
+    ({"logit_bias": {"100000": 1.0}}, "logit_bias", "outside the vocabulary"),
     ({"prompt_logprobs": 2}, "prompt_logprobs", "speech pipeline"),
 ])
 def test_bad_audio_requests_are_refused_by_name(omni_server, body, param, words) -> None:

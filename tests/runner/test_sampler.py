@@ -1,6 +1,7 @@
 """Sampler and sampling-metadata builder against brute-force references on random logits."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -310,6 +311,49 @@ def test_min_tokens_bans_eos_and_stop_ids(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", SEEDS)
+def test_logit_bias_and_allowed_tokens_equal_edited_logits(seed: int, device: str) -> None:
+    """A row with logit_bias / allowed_token_ids samples as the same row would from logits edited by hand (the
+    biases added, every other token at -inf), for greedy and seeded random rows, beside rows with neither."""
+    rng = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(VOCAB, generator=rng).tolist()
+    bias = {t: float(b) for t, b in zip(ids[:30], (torch.rand(30, generator=rng) * 20 - 10).tolist())}
+    allowed = sorted(ids[25:60])
+    edits = [dict(logit_bias=bias), dict(allowed_token_ids=allowed), dict(logit_bias=bias, allowed_token_ids=allowed),
+             {}]
+    params = [SamplingParams(temperature=t, top_p=0.9, seed=seed * 10 + i, **edit)
+              for i, (t, edit) in enumerate((t, e) for t in (0.0, 0.8) for e in edits)]
+    requests = [make_request(f"r{i}", p, rng) for i, p in enumerate(params)]
+    logits = random_logits(len(requests), rng)
+    metadata = build_sampling_metadata(requests, device)
+    got = sampler(logits.to(device), metadata).sampled_token_ids.cpu().tolist()
+    assert sampler(logits.to(device), metadata).sampled_token_ids.cpu().tolist() == got   # reused device tensors
+    for row, p in enumerate(params):
+        edited = logits[row].clone()
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(VOCAB, dtype=torch.bool)
+            keep[p.allowed_token_ids] = True
+            edited[~keep] = -math.inf
+        for token, b in (p.logit_bias or {}).items():
+            edited[token] += b
+        plain = make_request("plain", dataclasses.replace(p, logit_bias=None, allowed_token_ids=None), rng)
+        alone = sampler(edited[None].to(device), build_sampling_metadata([plain], device)).sampled_token_ids
+        assert got[row] == int(alone[0]), (row, p)
+        if p.allowed_token_ids is not None:
+            assert got[row] in p.allowed_token_ids
+
+
+def test_logit_edits_are_validated() -> None:
+    for bad in (dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 100.5}), dict(logit_bias={3: float("nan")}),
+                dict(logit_bias={True: 1.0}), dict(allowed_token_ids=[]), dict(allowed_token_ids=[2, -4])):
+        with pytest.raises(ValueError, match=f"^{next(iter(bad))} "):
+            SamplingParams(**bad)
+    params = SamplingParams(logit_bias={5: -100, 6: 100.0}, allowed_token_ids=(5, 6))
+    assert params.edits_logits and params.allowed_token_ids == [5, 6]
+    assert not SamplingParams(logit_bias={}).edits_logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", SEEDS)
 def test_logprobs_are_raw_log_softmax_with_ranks(seed: int, device: str) -> None:
     rng = torch.Generator().manual_seed(seed)
     params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.5, logprobs=2),
@@ -362,6 +406,9 @@ def test_mixed_batch_row_equals_row_alone(seed: int, device: str) -> None:
         "min_p": SamplingParams(temperature=1.0, min_p=0.1, seed=14),
         "penalties": SamplingParams(temperature=1.0, presence_penalty=1.0, repetition_penalty=0.8, seed=15),
         "min_tokens": SamplingParams(temperature=1.0, min_tokens=4, stop_token_ids=[5], seed=16),
+        "logit_bias": SamplingParams(temperature=0.9, logit_bias={1: 2.0, 7: -1.5, 40: 3.0}, seed=17, logprobs=2),
+        "allowed": SamplingParams(temperature=1.1, allowed_token_ids=[2, 9, 33, 250], top_k=3, seed=18),
+        "greedy_bias": SamplingParams(temperature=0.0, logit_bias={3: 1.0, 77: 4.0}, allowed_token_ids=[3, 77, 78]),
     }
     rng = torch.Generator().manual_seed(seed)
     logits_for = {name: [random_logits(1, rng, scale=1.0)[0] for _ in range(steps)] for name in params}

@@ -315,3 +315,32 @@ def test_models_health_version_tokenize_detokenize(server, client, hf):
     if hasattr(expected, "keys"):
         expected = expected["input_ids"]
     assert chat["tokens"] == list(expected)
+
+
+def test_logit_bias_and_allowed_token_ids_equal_llm_generate(client, reference_llm, hf):
+    """OpenAI's logit_bias (string token-id keys) on both endpoints and vLLM's allowed_token_ids (extra_body) give
+    LLM.generate's tokens with the same parameters; bad values are 400s naming the field."""
+    tokenizer = hf[1]
+    rng = random.Random(5)
+    ids = rng.sample(range(5, tokenizer.vocab_size), 40)
+    bias = {t: rng.uniform(-8, 8) for t in ids[:20]}
+    allowed = ids[15:40]
+    prompt = random_prompts(9, 1)[0]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                         logit_bias={str(t): b for t, b in bias.items()},
+                                         extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    reference = reference_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                                logit_bias=bias, allowed_token_ids=allowed),
+                                       use_tqdm=False)[0].outputs[0]
+    assert response.choices[0].text == reference.text
+    assert set(reference.token_ids) <= set(allowed)
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                          logit_bias={str(ids[0]): 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == tokenizer.decode([ids[0]] * 6)
+    vocab = reference_llm.engine.runner.head.vocab_size
+    for field, value in (("logit_bias", {"12": 101}), ("logit_bias", {"twelve": 1}), ("logit_bias", {str(vocab): 1}),
+                         ("allowed_token_ids", []), ("allowed_token_ids", [vocab + 3]), ("stop_token_ids", [vocab])):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, extra_body={field: value})
+        assert refused.value.body["param"] == field, (field, value)

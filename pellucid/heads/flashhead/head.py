@@ -49,15 +49,17 @@ def rows_needing_dense(sampling: SamplingMetadata, num_rows: int) -> list[int]:
         return list(sampling.full_vocab_rows)
     if sampling.max_num_logprobs is not None or not sampling.no_penalties:
         return list(range(num_rows))
-    return sorted(row for row, ids in sampling.banned_token_ids.items() if ids)
+    banned = {row for row, ids in sampling.banned_token_ids.items() if ids}
+    return sorted(banned | set(sampling.logit_bias) | set(sampling.allowed_token_ids))
 
 
 def fast_rows_metadata(sampling: SamplingMetadata, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
-    """The metadata of rows that need no full-vocabulary logits: none asks for logprobs, carries a penalty
-    or has banned tokens, so the stages for those are off (the sampler refuses them on candidate logits)."""
+    """The metadata of rows that need no full-vocabulary logits: none asks for logprobs, carries a penalty or
+    has its logits edited (banned tokens, a bias, an allowed set), so the stages for those are off (the sampler
+    refuses them on candidate logits)."""
     return dataclasses.replace(sampling.subset(rows, index), no_penalties=True, prompt_token_ids=None,
-                               output_token_ids=None, banned_token_ids={}, max_num_logprobs=None,
-                               full_vocab_rows=[])
+                               output_token_ids=None, banned_token_ids={}, logit_bias={}, allowed_token_ids={},
+                               max_num_logprobs=None, full_vocab_rows=[])
 
 
 class FlashHead(LMHead):
