@@ -1,9 +1,10 @@
 """Pellucid: a fast LLM inference and serving engine whose internals are open."""
 from pellucid.outputs import CompletionOutput, Logprob, RequestOutput
 from pellucid.sampling_params import SamplingParams
+from pellucid.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pellucid.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # Integer settings travel to the engine as 64-bit integers (and seed torch generators, which take no more).
 _INT64_MIN, _INT64_MAX = -2 ** 63, 2 ** 63 - 1
@@ -31,6 +33,7 @@ class SamplingParams:
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None      # token id -> added to its logit (OpenAI's; in [-100, 100])
     allowed_token_ids: list[int] | None = None      # the only tokens the request may sample (vLLM's)
+    structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar to match
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +48,8 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -98,6 +103,10 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got "
                              f"{self.allowed_token_ids!r}")
 
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
+
     def token_ids_named(self) -> dict[str, list[int]]:
         """The token ids each field names (for the engine's check against its vocabulary)."""
         return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or ()),
@@ -105,8 +114,9 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """Whether logit_bias or allowed_token_ids change the distribution the request samples from."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """Whether logit_bias, allowed_token_ids or structured_outputs change the distribution the request
+        samples from."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.structured_outputs is not None
 
     @property
     def greedy(self) -> bool:

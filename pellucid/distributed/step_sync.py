@@ -107,9 +107,12 @@ def _rank_extras(request: Request) -> dict[str, Any]:
 class WorkerRequests:
     """A worker's side: its Request objects, kept in step with rank 0's by the messages."""
 
-    def __init__(self, max_model_len: int, bind_extras: Callable[[str, Any, Request], Any]) -> None:
+    def __init__(self, max_model_len: int, bind_extras: Callable[[str, Any, Request], Any],
+                 grammar_for: Callable[[Request], Any] | None = None) -> None:
         self.max_model_len = max_model_len
         self._bind_extras = bind_extras      # (key, value from for_ranks, request) -> the request's extras[key]
+        # request -> its structured-output matcher, fed the same tokens as rank 0's (this rank builds its masks)
+        self._grammar_for = grammar_for
         self.requests: dict[str, Request] = {}
 
     def apply(self, msg: StepMessage) -> SchedulerOutput:
@@ -120,6 +123,10 @@ class WorkerRequests:
         for new in msg.new_requests:
             req = Request(new.request_id, new.prompt_token_ids, new.sampling_params, set(new.eos_token_ids),
                           max_model_len=self.max_model_len)
+            if new.sampling_params.structured_outputs is not None:
+                if self._grammar_for is None:
+                    raise ValueError("this rank cannot build structured-output matchers")
+                req.grammar = self._grammar_for(req)
             for token in new.output_token_ids:
                 req.append_output_token(token)
             for key, value in new.rank_extras.items():

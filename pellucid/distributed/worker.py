@@ -32,6 +32,7 @@ from pellucid.engine.features import get_feature
 from pellucid.logger import get_logger
 from pellucid.runner.model_runner import LaunchedStep, ModelRunner
 from pellucid.runner.rank import build_rank
+from pellucid.structured.matcher import matcher_for
 
 logger = get_logger("pellucid.distributed.worker")   # not __main__ when run with -m
 
@@ -72,7 +73,11 @@ class Worker:
 
         def bind(key: str, value: Any, request: Any) -> Any:
             return get_feature(key).on_rank(value, request, runner)
-        requests = WorkerRequests(setup.max_model_len, bind)
+        def grammar_for(request: Any) -> Any:
+            model = self.config.model
+            return matcher_for(request.sampling_params, model.tokenizer or model.model, runner.head.vocab_size,
+                               request.eos_token_ids)
+        requests = WorkerRequests(setup.max_model_len, bind, grammar_for)
         logger.info("tensor-parallel rank %d ready (pid %d)", self.rank, os.getpid())
         self._serve(steps, runner, requests)
 

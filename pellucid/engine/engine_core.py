@@ -31,6 +31,7 @@ from pellucid.runner.model_runner import LaunchedStep
 from pellucid.runner.output import ModelRunnerOutput
 from pellucid.runner.rank import start_rank
 from pellucid.sampling_params import SamplingParams
+from pellucid.structured.matcher import matcher_for
 
 logger = get_logger(__name__)
 
@@ -228,6 +229,9 @@ class EngineCore:
         req = Request(rid, request.prompt_token_ids, params, self.eos_token_ids,
                       arrival_time=request.arrival_time, max_model_len=self.max_model_len)
         req.stream_outputs = request.stream
+        if params.structured_outputs is not None:
+            req.grammar = matcher_for(params, self.config.model.tokenizer or self.config.model.model,
+                                      self.runner.head.vocab_size, req.eos_token_ids)
         if params.prompt_logprobs is not None:
             req.read_prefix_cache = False   # prompt logprobs need every prompt position computed
         if request.extras:

@@ -79,6 +79,8 @@ class InputProcessor:
                 raise ValueError(f"{name} must be at most the engine's max_logprobs ({limit}), got {value}; start "
                                  f"the engine with a larger max_logprobs (-1: the whole vocabulary)")
         check_sampling_token_ids(params, self.info.vocab_size)
+        if params.structured_outputs is not None:
+            params.structured_outputs.check()
         ids = self.prompt_ids(prompt)
         max_total = _max_total_tokens(len(ids), params.max_tokens, self.info.max_model_len)
         checked: dict[str, Any] = {}

@@ -79,6 +79,9 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed)
+        # Its place in its structured_outputs grammar (pellucid.structured.matcher.GrammarMatcher), set by the
+        # engine that queues it; the scheduler feeds it every sampled token.
+        self.grammar: Any = None
         self.extras: dict[str, Any] = {}     # per-feature state (trace plan, extraction spec, ...)
         # What features publish when the request finishes (saves, ...): the final output takes them over.
         self.feature_outputs: dict[str, Any] | None = None
@@ -116,17 +119,19 @@ class Request:
     def can_step_ahead(self) -> bool:
         """Whether a step may be launched for this request before its previous token is read back.
 
-        Penalties and min_tokens bans are built on the host from the tokens generated so far, so
-        those requests need their last token first; so do features in `extras` that did not register
-        with allow_step_ahead_for_extras_key.
+        Penalties, min_tokens bans and structured-output masks are built on the host from the tokens
+        generated so far, so those requests need their last token first; so do features in `extras` that
+        did not register with allow_step_ahead_for_extras_key.
         """
         params = self.sampling_params
-        return (not params.needs_penalties and params.min_tokens == 0
+        return (not params.needs_penalties and params.min_tokens == 0 and params.structured_outputs is None
                 and all(key in _STEP_AHEAD_EXTRAS_KEYS for key in self.extras))
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int) -> str | None:
+        """Add a sampled token; the structured-output grammar's error when it cannot take it, else None."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        return None if self.grammar is None else self.grammar.accept(token_id)
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Forget output tokens past the first `num_output_tokens` (the frontend ended the request there,

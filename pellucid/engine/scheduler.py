@@ -334,10 +334,18 @@ class Scheduler:
             all_token_ids = request.all_token_ids
             all_token_ids.append(token)
             num_generated += 1
-            # Token-level stop conditions, in vLLM's order: length, then (past min_tokens) EOS / stop ids.
+            grammar = request.grammar
+            if grammar is not None and (error := grammar.accept(token)) is not None:
+                self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
+                append_changed(request)
+                continue
+            # Token-level stop conditions, in vLLM's order: length, then (past min_tokens) EOS / stop ids; a
+            # structured output also ends where its grammar is complete and takes nothing more.
             params = request.sampling_params
             if len(all_token_ids) >= request.max_total_tokens:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
+            elif grammar is not None and grammar.done:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
             elif not params.min_tokens or len(output_token_ids) >= params.min_tokens:
                 if token in request.eos_token_ids:
                     self._finish(request, RequestStatus.FINISHED_STOPPED)

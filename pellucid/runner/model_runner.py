@@ -406,13 +406,14 @@ class ModelRunner:
     def _sampling_metadata(self, requests: list[Any]) -> SamplingMetadata:
         """This step's SamplingMetadata; the previous step's when its rows carry the same SamplingParams
         objects in the same order and nothing in it depends on a request's progress (penalty histories,
-        min_tokens bans, seeded generators), as in a steady decode batch."""
+        min_tokens bans, seeded generators, grammar masks), as in a steady decode batch."""
         params = list(map(_sampling_params, requests))
         cached = self._sampling_cache
         if cached is not None and len(cached[0]) == len(params) and all(map(operator.is_, cached[0], params)):
             return cached[1]
         sampling = build_sampling_metadata(requests, self.device)
         static = all(p.min_tokens == 0 and not p.needs_penalties and (p.greedy or p.seed is None)
+                     and p.structured_outputs is None
                      for p in {id(p): p for p in params}.values())
         self._sampling_cache = (params, sampling) if static else None
         return sampling

@@ -1,7 +1,8 @@
 """The sampler: logits -> one token per row, batched over rows with different parameters.
 
 Stages run in the order vLLM applies them, each skipped when SamplingMetadata's host flags say no row
-needs it: allowed tokens, banned tokens (min_tokens), logit biases, penalties, greedy argmax, temperature, min-p, top-k, top-p, then
+needs it: structured-output grammars, allowed tokens, banned tokens (min_tokens), logit biases, penalties,
+greedy argmax, temperature, min-p, top-k, top-p, then
 the exponential race (per-token noise that a seeded row draws from its own generators, see
 exponential_noise). Everything stays on the logits' device; the only host work is turning the
 metadata's Python lists (penalty histories, banned ids) into tensors, copied with `non_blocking=True`.
@@ -95,6 +96,18 @@ def apply_allowed_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> to
     keep.index_fill_(0, free, True)
     keep.view(-1).index_fill_(0, flat, True)
     return logits.masked_fill(~keep, float("-inf"))
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Structured outputs: each grammar row keeps only the tokens its bitmask allows."""
+    assert metadata.grammar_bitmask is not None
+    rows = _device_tensors(metadata, "grammar_rows",
+                           lambda: (host_to_device(metadata.grammar_rows, torch.int64, logits.device),))[0]
+    bitmask = metadata.grammar_bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(2) >> shifts) & 1).flatten(1)[:, :logits.shape[1]].bool()
+    constrained = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, constrained)
 
 
 def _device_tensors(metadata: SamplingMetadata, name: str,
@@ -215,8 +228,8 @@ def _check_columns(logits: torch.Tensor, metadata: SamplingMetadata, column_toke
         raise ValueError(f"column_token_ids must have the logits' shape {tuple(logits.shape)} and come with "
                          f"vocab_size; got {tuple(column_token_ids.shape)} and {vocab_size}")
     if metadata.max_num_logprobs is not None or not metadata.no_penalties or metadata.edits_logits:
-        raise ValueError("logprobs, penalties, banned tokens, logit biases and allowed tokens need logits over the "
-                         "whole vocabulary, not a head's candidate tokens")
+        raise ValueError("logprobs, penalties, banned tokens, logit biases, allowed tokens and grammars need logits "
+                         "over the whole vocabulary, not a head's candidate tokens")
 
 
 def _to_vocab_ids(columns: torch.Tensor, column_token_ids: torch.Tensor | None) -> torch.Tensor:
@@ -275,8 +288,10 @@ class Sampler:
 
     @staticmethod
     def penalized_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Logits after the allowed tokens, banned tokens, logit biases and penalties (vLLM's order): greedy rows
-        take their argmax."""
+        """Logits after structured-output grammars, allowed tokens, banned tokens, logit biases and penalties
+        (vLLM's order): greedy rows take their argmax."""
+        if metadata.grammar_rows:
+            logits = apply_grammar_bitmask(logits, metadata)
         if metadata.allowed_token_ids:
             logits = apply_allowed_tokens(logits, metadata)
         if metadata.banned_token_ids:

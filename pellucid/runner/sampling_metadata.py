@@ -36,6 +36,10 @@ class SamplingMetadata:
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids masked (min_tokens)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token id: added to its logit}
     allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> the only ids it may sample
+    # Structured outputs: the rows held to a grammar, and row i of `grammar_bitmask` [len, words] int32 (on the
+    # logits' device) allows what grammar_rows[i] may sample (bit t % 32 of word t // 32 for token t).
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
     max_num_logprobs: int | None = None  # top-k alternatives to return (None: no logprobs)
     # Rows whose result needs every logit of the vocabulary (they ask for logprobs, carry a penalty or have
     # banned tokens), for heads that may serve the other rows approximately. None (metadata built by hand):
@@ -49,13 +53,18 @@ class SamplingMetadata:
     @property
     def edits_logits(self) -> bool:
         """Whether some row's logits change before sampling by banned tokens, a logit bias or an allowed set."""
-        return bool(self.banned_token_ids or self.logit_bias or self.allowed_token_ids)
+        return bool(self.banned_token_ids or self.logit_bias or self.allowed_token_ids or self.grammar_rows)
 
     def subset(self, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
         """The metadata of `rows` (ascending; `index` the same on the device), renumbered 0..len-1. The host
         flags of the whole batch stay true for a subset, if sometimes more cautious than needed."""
         renumber = {old: new for new, old in enumerate(rows)}
         pick = (lambda lists: None if lists is None else [lists[r] for r in rows])
+        kept = [i for i, r in enumerate(self.grammar_rows) if r in renumber]
+        bitmask = self.grammar_bitmask
+        if bitmask is not None and len(kept) < len(self.grammar_rows):
+            index = torch.tensor(kept, dtype=torch.int64).to(bitmask.device, non_blocking=True)
+            bitmask = bitmask.index_select(0, index) if kept else None
         return dataclasses.replace(
             self,
             temperature=self.temperature[index], top_p=self.top_p[index], top_k=self.top_k[index],
@@ -66,6 +75,7 @@ class SamplingMetadata:
             banned_token_ids={renumber[r]: ids for r, ids in self.banned_token_ids.items() if r in renumber},
             logit_bias={renumber[r]: bias for r, bias in self.logit_bias.items() if r in renumber},
             allowed_token_ids={renumber[r]: ids for r, ids in self.allowed_token_ids.items() if r in renumber},
+            grammar_rows=[renumber[self.grammar_rows[i]] for i in kept], grammar_bitmask=bitmask,
             full_vocab_rows=None if self.full_vocab_rows is None else
             [renumber[r] for r in self.full_vocab_rows if r in renumber])
 

@@ -10,6 +10,7 @@ import torch
 from pellucid.engine.request import Request
 from pellucid.runner.sampling_metadata import SamplingMetadata
 from pellucid.sampling_params import SamplingParams
+from pellucid.structured.matcher import fill_bitmasks
 
 # Rows of the packed parameter tensor. top_k travels as float32, capped at 2**24 where float32 is still
 # exact: a larger k exceeds every vocabulary, so it means "no cut" either way.
@@ -77,10 +78,14 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
     if any(p.seed is not None and not p.greedy for p in kinds):
         seeds = {row: _step_seed(r) for row, r in enumerate(requests)
                  if r.generator is not None and not r.sampling_params.greedy}
-    logit_bias, allowed = {}, {}
+    logit_bias, allowed, grammar_rows, grammar_bitmask = {}, {}, [], None
     if any(p.edits_logits for p in kinds):
         logit_bias = {row: p.logit_bias for row, p in enumerate(params) if p.logit_bias}
         allowed = {row: p.allowed_token_ids for row, p in enumerate(params) if p.allowed_token_ids is not None}
+        grammar_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+    if grammar_rows:
+        grammar_bitmask = fill_bitmasks([requests[row].grammar for row in grammar_rows])
+        grammar_bitmask = grammar_bitmask.to(device, non_blocking=True)   # pinned on CUDA machines
     full_vocab_kinds = {id(p) for p in kinds if p.logprobs is not None or p.needs_penalties or p.edits_logits}
     full_vocab_rows = set(banned)
     if full_vocab_kinds:
@@ -108,6 +113,8 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
         banned_token_ids=banned,
         logit_bias=logit_bias,
         allowed_token_ids=allowed,
+        grammar_rows=grammar_rows,
+        grammar_bitmask=grammar_bitmask,
         max_num_logprobs=max(requested_logprobs) if requested_logprobs else None,
         full_vocab_rows=sorted(full_vocab_rows),
     )

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pellucid.logger import get_logger
 from pellucid.sampling_params import SamplingParams
+from pellucid.structured import StructuredOutputsParams
 
 logger = get_logger(__name__)
 
@@ -88,6 +89,13 @@ class _SamplingRequest(_Lenient):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None      # per prompt token its logprob and the top alternatives (not streamed)
     allowed_token_ids: list[int] | None = None   # the only tokens the request may sample
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Pellucid tracing: a list of JSON ops, checked by pellucid/tracing/http.py (docs/tracing.md)
     interventions: Any = None
 
@@ -97,9 +105,30 @@ class _SamplingRequest(_Lenient):
         if self.prompt_logprobs is not None and self.stream:
             raise ProtocolError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for, compiled once to refuse a bad one (ProtocolError naming
+        the field); None without one."""
+        given = {name: value for name, value in (
+            ("response_format", _response_format_constraint(self.response_format)),
+            ("structured_outputs", self.structured_outputs), ("guided_json", _named("json", self.guided_json)),
+            ("guided_regex", _named("regex", self.guided_regex)), ("guided_choice", _named("choice", self.guided_choice)),
+            ("guided_grammar", _named("grammar", self.guided_grammar))) if value is not None}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ProtocolError(f"ask for one output constraint, got {', '.join(given)}", param=list(given)[1])
+        (field, value), = given.items()
+        try:
+            params = StructuredOutputsParams(**value)
+            params.check()
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"{field}: {exc}", param=field) from exc
+        return params
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's SamplingParams; invalid values raise ProtocolError naming the field."""
+        structured = self.structured_outputs_params()
         try:
             logit_bias = None if self.logit_bias is None else {int(t): b for t, b in self.logit_bias.items()}
         except ValueError as exc:
@@ -114,7 +143,7 @@ class _SamplingRequest(_Lenient):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
-                allowed_token_ids=self.allowed_token_ids)
+                allowed_token_ids=self.allowed_token_ids, structured_outputs=structured)
         except ValueError as exc:
             message = str(exc)
             # SamplingParams messages start with the offending field's name.
@@ -124,6 +153,30 @@ class _SamplingRequest(_Lenient):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _named(kind: str, value: Any) -> dict[str, Any] | None:
+    return None if value is None else {kind: value}
+
+
+def _response_format_constraint(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as a structured_outputs constraint: "text" none, "json_object" any JSON object,
+    "json_schema" its json_schema.schema."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ProtocolError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                                param="response_format")
+        return {"json": spec["schema"]}
+    raise ProtocolError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                        param="response_format")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -221,7 +274,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -256,8 +308,6 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_unsupported()
         if self.tools:
             raise ProtocolError("tools / function calling is not supported by this server", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ProtocolError("only response_format type 'text' is supported", param="response_format")
         if self.add_generation_prompt and self.continue_final_message:
             raise ProtocolError("add_generation_prompt and continue_final_message cannot both be true",
                                 param="continue_final_message")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pellucid import LLM, SamplingParams
+from pellucid import LLM, SamplingParams, StructuredOutputsParams
 from pellucid.tracing import Add, Apply, Save, Scale, TracePlan
 from tests.reference import hf_forward, random_prompts, relative_error
 
@@ -37,14 +37,17 @@ def _hf(model_dir: str):
 
 def test_generation_equals_tp1(engines):
     """Greedy (float32) identical; seeded sampling with top-k/top-p and penalties identical; logprobs and
-    prompt logprobs within 1e-4; min_tokens bans EOS on every rank; under chunking and preemption."""
+    prompt logprobs within 1e-4; min_tokens bans EOS on every rank; structured outputs held to their grammar on
+    every rank; under chunking and preemption."""
     name, _, tp1, tp2 = engines
     vocab = 500
     prompts = random_prompts(7, [37, 5, 22, 41, 12, 3], vocab=vocab)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     seeded = [SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=s, max_tokens=10, min_tokens=4,
                              repetition_penalty=1.3, presence_penalty=0.2) for s in range(len(prompts))]
-    for params in (greedy, seeded):
+    structured = [SamplingParams(temperature=0.8, seed=s, max_tokens=14, structured_outputs=StructuredOutputsParams(
+        regex=r"[a-z]{2,5}( [0-9]{1,3}){1,4}")) for s in range(len(prompts))]
+    for params in (greedy, seeded, structured):
         ref = tp1.generate(prompts, params, use_tqdm=False)
         out = tp2.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref], name

@@ -17,6 +17,7 @@ from pellucid.config import EngineConfig
 from pellucid.engine.engine_core import EngineCore
 from pellucid.llm import LLM
 from pellucid.sampling_params import SamplingParams
+from pellucid.structured import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def _run(engine: LLM, requests: list[tuple[str, list[int], SamplingParams, bool]
 def _requests(seed: int, stop: list[str], last_two: list[SamplingParams]
               ) -> list[tuple[str, list[int], SamplingParams, bool]]:
     """Greedy, seeded n=2, a stop string, logprobs + prompt logprobs, then `last_two`; every other one streams."""
-    prompts = _prompts(seed, 6)
+    prompts = _prompts(seed, 4 + len(last_two))
     params = [
         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=seed, max_tokens=12, ignore_eos=True, n=2),
@@ -71,10 +72,12 @@ def _requests(seed: int, stop: list[str], last_two: list[SamplingParams]
 
 
 def _mixed_requests(seed: int, stop: list[str]) -> list[tuple[str, list[int], SamplingParams, bool]]:
-    """Ends with two requests that cannot step ahead (min_tokens, a penalty)."""
+    """Ends with three requests that cannot step ahead (min_tokens, a penalty, a structured output)."""
     return _requests(seed, stop, [
         SamplingParams(temperature=0.0, max_tokens=14, min_tokens=4, stop=stop, include_stop_str_in_output=True),
-        SamplingParams(temperature=0.9, seed=seed + 3, top_k=20, max_tokens=11, repetition_penalty=1.2)])
+        SamplingParams(temperature=0.9, seed=seed + 3, top_k=20, max_tokens=11, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, seed=seed + 5, max_tokens=12,
+                       structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,5}( [0-9]{1,3}){1,4}"))])
 
 
 def _stop_strings_from_serial(model_dir: str, seed: int) -> list[str]:

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _params(i: int):
     from pellucid.sampling_params import SamplingParams
+    from pellucid.structured import StructuredOutputsParams
 
     kinds = [
         dict(temperature=0.0),
@@ -21,6 +22,7 @@ def _params(i: int):
         dict(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2),
         dict(temperature=0.0, min_tokens=4, logprobs=3),
         dict(temperature=0.9, seed=i, logit_bias={7: 3.0, 11: -2.0}, allowed_token_ids=list(range(5, 300))),
+        dict(temperature=0.8, seed=i, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,40}( [0-9]{1,9})*")),
     ]
     return SamplingParams(max_tokens=12 + i % 7, ignore_eos=True, **kinds[i % len(kinds)])
 

@@ -344,3 +344,60 @@ def test_logit_bias_and_allowed_token_ids_equal_llm_generate(client, reference_l
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, extra_body={field: value})
         assert refused.value.body["param"] == field, (field, value)
+
+
+def test_structured_outputs_on_both_endpoints(client, server, hf):
+    """OpenAI's response_format (json_schema, json_object), vLLM's structured_outputs and guided_choice: each
+    finished output matches its constraint; a constraint that cannot compile, or two at once, is a 400 naming
+    the field."""
+    import json
+    import re
+
+    import jsonschema
+    import llguidance
+    import llguidance.hf
+
+    from pellucid import StructuredOutputsParams
+    schema = {"type": "object", "required": ["n", "ok"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
+    messages = [{"role": "user", "content": "give me json"}]
+    tokenizer = hf[1]
+
+    def follows(constraint: StructuredOutputsParams, text: str) -> bool:
+        """The text is a prefix the constraint's grammar accepts (a random model may run out of tokens inside
+        flexible JSON whitespace)."""
+        matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer), constraint.check())
+        return matcher.consume_tokens(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=60, temperature=0.7, n=3, seed=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
+    for choice in chat.choices:
+        assert follows(StructuredOutputsParams(json=schema), choice.message.content), choice.message.content
+        assert not follows(StructuredOutputsParams(json={"type": "array"}), choice.message.content)
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    compact = client.completions.create(model=MODEL_NAME, prompt="json:", max_tokens=80, temperature=0.5, seed=3,
+                                        extra_body={"structured_outputs": {"json": schema,
+                                                                           "disable_any_whitespace": True}})
+    assert compact.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(compact.choices[0].text), schema)
+    anything = client.completions.create(model=MODEL_NAME, prompt="json:", max_tokens=30, temperature=0.5, seed=3,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    assert follows(StructuredOutputsParams(json_object=True), anything.choices[0].text)
+    regex = r"[a-z]{3,6}-[0-9]{2}"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_NAME, prompt="code:", max_tokens=20, temperature=0.8, seed=1, stream=True,
+        extra_body={"structured_outputs": {"regex": regex}}) if c.choices)
+    assert re.fullmatch(regex, streamed), streamed
+    picked = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=1.0,
+                                            extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert picked.choices[0].message.content in ("red", "green", "blue")
+    for body, param in (({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+                        ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format"),
+                        ({"response_format": {"type": "xml"}}, "response_format"),
+                        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice")):
+        response = httpx.post(f"{server.base_url}/completions", timeout=30,
+                              json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.text)

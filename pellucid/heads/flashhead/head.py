@@ -50,7 +50,7 @@ def rows_needing_dense(sampling: SamplingMetadata, num_rows: int) -> list[int]:
     if sampling.max_num_logprobs is not None or not sampling.no_penalties:
         return list(range(num_rows))
     banned = {row for row, ids in sampling.banned_token_ids.items() if ids}
-    return sorted(banned | set(sampling.logit_bias) | set(sampling.allowed_token_ids))
+    return sorted(banned | set(sampling.logit_bias) | set(sampling.allowed_token_ids) | set(sampling.grammar_rows))
 
 
 def fast_rows_metadata(sampling: SamplingMetadata, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
@@ -59,7 +59,7 @@ def fast_rows_metadata(sampling: SamplingMetadata, rows: list[int], index: torch
     refuses them on candidate logits)."""
     return dataclasses.replace(sampling.subset(rows, index), no_penalties=True, prompt_token_ids=None,
                                output_token_ids=None, banned_token_ids={}, logit_bias={}, allowed_token_ids={},
-                               max_num_logprobs=None, full_vocab_rows=[])
+                               grammar_rows=[], grammar_bitmask=None, max_num_logprobs=None, full_vocab_rows=[])
 
 
 class FlashHead(LMHead):
