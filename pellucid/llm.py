@@ -65,7 +65,7 @@ class LLM:
         self.info: EngineInfo = self.client.info
         self.tokenizer = load_tokenizer(self.info.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, self.info)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._ids = itertools.count()
 
     @property

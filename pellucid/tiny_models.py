@@ -20,11 +20,24 @@ EOS_TOKEN = "<|im_end|>"
 
 # ChatML, as Qwen models render it: one block per message, then an open assistant turn if asked.
 CHAT_TEMPLATE = (
+    # Offered tools go in a system turn, one JSON function per line; an assistant's calls are written as the
+    # hermes parser reads them (<tool_call>{"name": ..., "arguments": ...}</tool_call>); results are "tool" turns.
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\nFunctions you may call, one <tool_call>{\\\"name\\\": ..., \\\"arguments\\\": {...}}"
+    "</tool_call> each:\\n' }}"
+    "{%- for tool in tools -%}{{ (tool['function'] if 'function' in tool else tool) | tojson }}{{ '\\n' }}{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{ raise_exception('unsupported chat role: ' + message['role']) }}"
     "{%- endif -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in (message['tool_calls'] or []) -%}"
+    "{{ '<tool_call>' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
+    " + '</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )

@@ -124,7 +124,7 @@ class AsyncLLM:
         self.max_model_len: int = self.info.max_model_len
         self.model_name: str = self.info.model_name
         self._inputs = InputProcessor(self.tokenizer, self.info)
-        self._outputs = OutputProcessor(self.tokenizer)
+        self._outputs = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._streams: dict[str, RequestStream] = {}
         self._handler: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

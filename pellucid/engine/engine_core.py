@@ -76,6 +76,7 @@ class EngineInfo:
     lm_head: dict[str, Any]
     tensor_parallel_size: int = 1
     max_logprobs: int = 20           # most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary)
+    eos_token_ids: tuple[int, ...] = ()   # the ids that end a sequence (their text is not shown)
     # The decoder's module path: "model" (model.layers.N), or a stage's (Qwen3-Omni's thinker: "thinker.model").
     backbone: str = "model"
     # The traceable sites (pellucid.tracing.sites.SiteTable). In the engine's own process it is probed on
@@ -194,7 +195,8 @@ class EngineCore:
             enable_prefix_caching=bool(config.cache.enable_prefix_caching), async_scheduling=self.async_scheduling,
             attention_backend=self.runner.backend.name, cuda_graphs=self.runner.cuda_graphs is not None,
             lm_head=self.runner.head.describe(), tensor_parallel_size=config.parallel.tensor_parallel_size,
-            max_logprobs=config.model.max_logprobs, backbone=getattr(self.model, "backbone_path", "model"))
+            max_logprobs=config.model.max_logprobs, backbone=getattr(self.model, "backbone_path", "model"),
+            eos_token_ids=tuple(sorted(self.eos_token_ids)))
         if probe_sites:
             info._site_table = site_table(self.runner)
         else:

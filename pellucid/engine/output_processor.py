@@ -72,8 +72,9 @@ class StopFound:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.parents: dict[str, ParentState] = {}
         self.children: dict[str, tuple[ParentState, SequenceState]] = {}
 
@@ -154,8 +155,8 @@ class OutputProcessor:
         for i, token in enumerate(new):
             seq.token_ids.append(token)
             final_token = out.finish_reason is not None and i == last
-            if final_token and out.stop_reason == token and not params.include_stop_str_in_output:
-                continue   # a stop token id ends the text without showing
+            if final_token and self._unshown(params, out.finish_reason, out.stop_reason, token):
+                continue
             text_before = len(detok.text)
             detok.add(token)
             if params.stop_strings and not final_token and self._find_stop_string(params, seq, text_before):
@@ -167,6 +168,13 @@ class OutputProcessor:
                 seq.awaiting_engine = bool(parent.feature_keys)
                 return StopFound(seq.child_id, len(seq.token_ids))
         return None
+
+    def _unshown(self, params: SamplingParams, finish_reason: str | None, stop_reason: Any, token: int) -> bool:
+        """The token that stopped a sequence, a stop token id or EOS, ends its text without showing (even
+        where special tokens are shown), unless include_stop_str_in_output asks for it (vLLM's rule)."""
+        if finish_reason != "stop" or params.include_stop_str_in_output:
+            return False
+        return stop_reason == token or (stop_reason is None and token in self.eos_token_ids)
 
     def _find_stop_string(self, params: SamplingParams, seq: SequenceState, text_before: int) -> bool:
         assert seq.detok is not None
@@ -282,7 +290,7 @@ class OutputProcessor:
         """Decode the whole output once at the end, so bytes of an unfinished UTF-8 character at the
         very end show as the tokenizer's replacement text instead of being held back forever."""
         ids = seq.token_ids
-        if ids and seq.stop_reason == ids[-1] and not params.include_stop_str_in_output:
+        if ids and self._unshown(params, seq.finish_reason, seq.stop_reason, ids[-1]):
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 

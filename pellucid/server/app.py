@@ -37,6 +37,8 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       chat_template_messages, new_id, parse_request, sampling_field_of)
 from pellucid.server.responses import (ChoiceTracker, Delta, chat_logprobs, completion_logprobs, echo_logprobs,
                                        prompt_logprobs)
+from pellucid.server.tool_calls import (ParsedAnswer, ToolPlan, plan_tools, template_messages, tool_calls_of, with_tools,
+                                        tool_call_parser as tool_call_parser_class)
 from pellucid.tokenizer import apply_chat_template
 from pellucid.tracing.http import trace_extras, with_saves
 from pellucid.tracing.plan import TRACE_KEY
@@ -90,8 +92,12 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
 class OpenAIServer:
     """Routes and per-request plumbing; one instance per app."""
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, extract_dir: str | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, extract_dir: str | None = None,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
         self.llm = llm
+        # tool_choice "auto": the parser that finds calls in answers (pellucid/server/tool_calls.py)
+        self.tool_call_parser = tool_call_parser_class(tool_call_parser) if tool_call_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
         self.metrics = ServerMetrics(served_model_name)
@@ -196,10 +202,12 @@ class OpenAIServer:
 
     def chat_prompt(self, request: ChatCompletionRequest | TokenizeRequest, messages: list[Any],
                     continue_final: bool = False) -> list[int]:
-        turns = chat_template_messages(messages)
+        turns = template_messages(chat_template_messages(messages))
         kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
         if continue_final:
             kwargs["continue_final_message"] = True
+        if getattr(request, "tools", None):
+            kwargs["tools"] = request.tools
         try:
             return apply_chat_template(self.tokenizer, turns, request.add_generation_prompt, **kwargs)
         except ValueError as exc:
@@ -321,7 +329,7 @@ class OpenAIServer:
                 yield sse_event(first)
             async with contextlib.aclosing(self.merged(streams, timer, tracker)) as outputs:
                 async for index, output in outputs:
-                    choices = [choice(delta) for delta in tracker.update(index, output)]
+                    choices = [c for c in map(choice, tracker.update(index, output)) if c is not None]
                     if not choices:
                         continue
                     if output.finished and output.extras.get("saves") is not None:
@@ -355,21 +363,30 @@ class OpenAIServer:
         self.check_model(body.model)
         body.check_unsupported()
         body.check_text_only()
+        tools = plan_tools(body.tools, body.tool_choice, self.tool_call_parser, self.enable_auto_tool_choice,
+                           body.parallel_tool_calls)
         prompt_ids = self.chat_prompt(body, body.messages, body.continue_final_message)
         top_logprobs = body.num_logprobs()
         params = body.sampling_params(body.effective_max_tokens(), top_logprobs, body.prompt_logprobs)
+        if tools is not None:
+            params = with_tools(params, tools)
         request_id = new_id("chatcmpl")
         extras = self.trace_extras(body)
         streams = await self.add_all([prompt_ids], params, request_id, param="messages", extras=extras)
         tracker = ChoiceTracker(n=body.n)
         if body.stream:
-            return EventStream(self._chat_events(body, request_id, streams, tracker, timer, top_logprobs))
+            return EventStream(self._chat_events(body, request_id, streams, tracker, timer, top_logprobs, tools))
         final_outputs: dict[int, RequestOutput] = {}
         finals = await until_disconnect(request, self._collect(streams, tracker, timer, final_outputs))
-        choices = [ChatChoice(index=index, message=ChatResponseMessage(content=finals[index].text),
-                              logprobs=chat_logprobs(finals[index], 0, top_logprobs) if top_logprobs is not None else None,
-                              finish_reason=finals[index].finish_reason, stop_reason=finals[index].stop_reason)
-                   for index in sorted(finals)]
+        choices = []
+        for index in sorted(finals):
+            final = finals[index]
+            answer = tools.answer(final.text) if tools is not None else ParsedAnswer(final.text)
+            choices.append(ChatChoice(
+                index=index, message=ChatResponseMessage(content=answer.content, tool_calls=tool_calls_of(answer)),
+                logprobs=chat_logprobs(final, 0, top_logprobs) if top_logprobs is not None else None,
+                finish_reason=tools.finish_reason(final.finish_reason, bool(answer.calls)) if tools else final.finish_reason,
+                stop_reason=final.stop_reason))
         scored = (prompt_logprobs(final_outputs[0], body.prompt_logprobs) if body.prompt_logprobs is not None
                   else None)
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=tracker.usage(),
@@ -377,17 +394,26 @@ class OpenAIServer:
         return JSONResponse(with_saves(response.model_dump(), final_outputs))
 
     def _chat_events(self, body: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-                     tracker: ChoiceTracker, timer: RequestTimer, top_logprobs: int | None) -> AsyncIterator[str]:
+                     tracker: ChoiceTracker, timer: RequestTimer, top_logprobs: int | None,
+                     tools: ToolPlan | None) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
 
-        def choice(delta: Delta) -> ChatStreamChoice:
+        tool_streams = {i: tools.streamer() for i in range(body.n)} if tools is not None else {}
+
+        def choice(delta: Delta) -> ChatStreamChoice | None:
+            content, calls, finish = delta.text or None, None, delta.finish_reason
+            if tools is not None:
+                stream = tool_streams[delta.index]
+                content, calls = stream.feed(delta.output.text, finish is not None)
+                finish = stream.finish_reason(finish)
+                if content is None and not calls and finish is None and top_logprobs is None:
+                    return None     # held back: it may begin a tool call
             return ChatStreamChoice(
-                index=delta.index, delta=DeltaMessage(content=delta.text or None),
+                index=delta.index, delta=DeltaMessage(content=content, tool_calls=calls or None),
                 logprobs=(chat_logprobs(delta.output, delta.token_start, top_logprobs)
                           if top_logprobs is not None else None),
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.output.stop_reason if delta.finish_reason else None)
+                finish_reason=finish, stop_reason=delta.output.stop_reason if delta.finish_reason else None)
 
         opening = [chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                           for i in range(body.n)])]
@@ -457,10 +483,12 @@ def _guarded(server: OpenAIServer, handler: Callable[[Request], Awaitable[Respon
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              log_stats_interval: float | None = None, extract_dir: str | None = None) -> FastAPI:
+              log_stats_interval: float | None = None, extract_dir: str | None = None,
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     """The app; `log_stats_interval` > 0 logs a stats line that often while the app runs; `extract_dir` is
-    where `extract_hidden_states` with output "server" writes (None: inline only)."""
-    server = OpenAIServer(async_llm, served_model_name, extract_dir)
+    where `extract_hidden_states` with output "server" writes (None: inline only); `tool_call_parser` names
+    the parser of tool_choice "auto", which `enable_auto_tool_choice` allows."""
+    server = OpenAIServer(async_llm, served_model_name, extract_dir, tool_call_parser, enable_auto_tool_choice)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -131,6 +131,8 @@ class OmniServer:
             raise ProtocolError("logprobs are not served by the speech pipeline", param="logprobs")
         if body.prompt_logprobs is not None:
             raise ProtocolError("prompt_logprobs are not served by the speech pipeline", param="prompt_logprobs")
+        if body.tools:
+            raise ProtocolError("tools are not served by the speech pipeline", param="tools")
         if body.structured_outputs_params() is not None:
             raise ProtocolError("structured outputs are not served by the speech pipeline", param="response_format")
         try:

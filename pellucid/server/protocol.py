@@ -233,6 +233,8 @@ class ChatMessage(_Lenient):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant's calls, as OpenAI returned them
+    tool_call_id: str | None = None                    # a "tool" message: the call it answers
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -248,10 +250,10 @@ class ChatMessage(_Lenient):
         return "".join(parts)
 
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the tokenizer's chat template wants them; empty lists and unknown roles are errors."""
     if not messages:
         raise ProtocolError("messages must contain at least one message", param="messages")
@@ -260,9 +262,13 @@ def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         if message.role not in CHAT_ROLES:
             raise ProtocolError(f"messages.{i}.role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
                                 param=f"messages.{i}.role")
-        entry = {"role": message.role, "content": message.text(i)}
+        entry: dict[str, Any] = {"role": message.role, "content": message.text(i)}
         if message.name:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
 
@@ -274,6 +280,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -306,8 +313,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise ProtocolError("tools / function calling is not supported by this server", param="tools")
         if self.add_generation_prompt and self.continue_final_message:
             raise ProtocolError("add_generation_prompt and continue_final_message cannot both be true",
                                 param="continue_final_message")
@@ -387,6 +392,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[Any] = Field(default_factory=list)      # pellucid.server.tool_calls.ToolCall
 
 
 class ChatChoice(BaseModel):
@@ -410,6 +416,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[Any] | None = None                      # pellucid.server.tool_calls.DeltaToolCall
 
 
 class ChatStreamChoice(BaseModel):

@@ -12,6 +12,7 @@ import uvicorn
 
 from pellucid.engine.arg_utils import add_engine_args, engine_kwargs_from_args
 from pellucid.logger import get_logger
+from pellucid.server.tool_calls import tool_call_parser_names
 
 logger = get_logger(__name__)
 
@@ -35,6 +36,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--extract-dir", default=None,
                    help="directory where extract_hidden_states requests with output 'server' are written "
                         "(clients never choose a path; without it only output 'inline' is accepted)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\": the model decides whether to call tools, and --tool-call-parser "
+                        "finds the calls in its answer (\"required\" and named functions need neither flag)")
+    g.add_argument("--tool-call-parser", default=None, choices=tool_call_parser_names(),
+                   help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, Qwen and Hermes models)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
@@ -62,6 +68,9 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("--pipeline-config and --chunk-size are for pipeline checkpoints (Qwen3-Omni); %s is one model",
                      model)
         return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        logger.error("--enable-auto-tool-choice needs --tool-call-parser (%s)", ", ".join(tool_call_parser_names()))
+        return 2
     served_name = args.served_model_name or args.model
     try:
         llm = AsyncLLM(model, served_model_name=served_name, **engine_kwargs_from_args(args))
@@ -71,7 +80,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         log_banner(llm, args)
         app = build_app(llm, served_name, api_key=args.api_key, log_stats_interval=args.log_stats_interval,
-                        extract_dir=args.extract_dir)
+                        extract_dir=args.extract_dir, tool_call_parser=args.tool_call_parser,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout)
         server = _GracefulServer(config)

@@ -28,7 +28,7 @@ def matcher_for(params: Any, tokenizer_dir: str, vocab_size: int, eos_token_ids:
     """The matcher of a request with these SamplingParams (structured_outputs set), for an engine (or a
     tensor-parallel rank) with this tokenizer, vocabulary and EOS ids."""
     tokenizer = grammar_tokenizer(tokenizer_dir, vocab_size, tuple(sorted(eos_token_ids)))
-    return GrammarMatcher(params.structured_outputs.grammar_text(), tokenizer)
+    return GrammarMatcher(params.structured_outputs.check(), tokenizer)
 
 
 def bitmask_words(vocab_size: int) -> int:

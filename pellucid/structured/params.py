@@ -61,7 +61,12 @@ class StructuredOutputsParams:
         return LLMatcher.grammar_from_lark(self.grammar)
 
     def check(self) -> str:
-        """The grammar, compiled once to find errors; ValueError naming the problem."""
+        """The grammar, compiled once to find errors; ValueError naming the problem. Remembered on this object
+        (not a field: it does not travel to an engine in another process), so the frontend and an engine in
+        its process compile a request's constraint once."""
+        checked = self.__dict__.get("_checked_grammar")
+        if checked is not None:
+            return checked
         from llguidance import LLMatcher
         try:
             grammar = self.grammar_text()
@@ -70,4 +75,5 @@ class StructuredOutputsParams:
         error = LLMatcher.validate_grammar(grammar)
         if error:
             raise ValueError(f"structured_outputs cannot compile: {error.strip()}")
+        self.__dict__["_checked_grammar"] = grammar
         return grammar

@@ -38,3 +38,20 @@ def test_streamed_and_final_only_outputs_agree(llm, seed):
         for snap in streamed:
             for c, final in zip(snap.outputs, streamed[-1].outputs):
                 assert final.text.startswith(c.text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_token_that_stops_a_sequence_is_not_shown(llm, stream):
+    """EOS or a stop token id ends the text without showing, even with special tokens shown, unless
+    include_stop_str_in_output asks for it (vLLM's rule); the token stays in token_ids."""
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    word = llm.tokenizer("hello")["input_ids"][0]
+    for k, (end, extra) in enumerate(((eos, {}), (7, {"stop_token_ids": [7]}))):
+        # The first token is `word` (the end is banned until min_tokens), then the end token.
+        base = dict(max_tokens=6, min_tokens=1, allowed_token_ids=[word, end], logit_bias={end: 50.0}, **extra)
+        for skip, include in ((True, False), (False, False), (False, True)):
+            params = SamplingParams(skip_special_tokens=skip, include_stop_str_in_output=include, **base)
+            out = _run(llm, "The little prompt", params, stream, f"end-{stream}-{k}-{skip}-{include}")[-1].outputs[0]
+            assert out.token_ids == [word, end] and out.finish_reason == "stop"
+            shown = llm.tokenizer.decode([word, end], skip_special_tokens=skip)
+            assert out.text == (shown if include else llm.tokenizer.decode([word]))

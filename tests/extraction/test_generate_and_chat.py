@@ -127,7 +127,7 @@ def test_mixed_data_forms(make_ext_llm, tmp_path):
 
 def test_conversation_the_template_rejects(make_ext_llm, tmp_path):
     llm = make_ext_llm("llama")
-    data = [{"id": "bad", "messages": [{"role": "tool", "content": "x"}]}, {"id": "ok", "prompt": "Hello"}]
+    data = [{"id": "bad", "messages": [{"role": "robot", "content": "x"}]}, {"id": "ok", "prompt": "Hello"}]
     with pytest.raises(ExtractionError, match="'bad'.*chat template failed.*unsupported chat role"):
         llm.extract_hidden_states(data, layers=LAYERS, output_dir=str(tmp_path), progress=False)
     summary = llm.extract_hidden_states(data, layers=LAYERS, output_dir=str(tmp_path), progress=False,

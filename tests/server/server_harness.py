@@ -17,7 +17,7 @@ import uvicorn
 from pellucid.engine.async_llm import AsyncLLM
 from pellucid.server.app import build_app
 
-ENGINE_KWARGS = dict(device="cpu", num_kv_blocks=512, max_model_len=256)
+ENGINE_KWARGS = dict(device="cpu", num_kv_blocks=512, max_model_len=512)   # the tiny model's positions
 MODEL_NAME = "tiny-qwen3"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PELLUCID_CLI = [sys.executable, "-m", "pellucid.cli"]
@@ -72,7 +72,9 @@ def run_app_in_thread(app: Any) -> tuple[str, uvicorn.Server, threading.Thread]:
 
 
 def start_server(llm: AsyncLLM, api_key: str | None = None) -> RunningServer:
-    return RunningServer(*run_app_in_thread(build_app(llm, MODEL_NAME, api_key=api_key)), llm=llm)
+    """The app as `pellucid serve --enable-auto-tool-choice --tool-call-parser hermes` builds it."""
+    app = build_app(llm, MODEL_NAME, api_key=api_key, tool_call_parser="hermes", enable_auto_tool_choice=True)
+    return RunningServer(*run_app_in_thread(app), llm=llm)
 
 
 def random_prompts(seed: int, count: int) -> list[str]:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pellucid.sampling_params import SamplingParams
-from server_harness import MODEL_NAME, random_prompts
+from server_harness import ENGINE_KWARGS, MODEL_NAME, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +306,7 @@ def test_models_health_version_tokenize_detokenize(server, client, hf):
     text = " ".join(random_prompts(9, 3))
     tok = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "prompt": text}).json()
     assert tok["tokens"] == tokenizer(text)["input_ids"]
-    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == ENGINE_KWARGS["max_model_len"]
     detok = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
     assert detok["prompt"] == tokenizer.decode(tok["tokens"])
     messages = [{"role": "user", "content": text}]

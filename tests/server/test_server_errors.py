@@ -16,7 +16,7 @@ BAD_REQUESTS = [
     ("completions", "[1, 2]", 400, None),
     ("completions", {"max_tokens": 3}, 400, "prompt"),
     ("completions", {"prompt": ""}, 400, "prompt"),
-    ("completions", {"prompt": list(range(1, 300))}, 400, "prompt"),        # longer than max_model_len
+    ("completions", {"prompt": [1 + i % 500 for i in range(600)]}, 400, "prompt"),   # longer than max_model_len
     ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
@@ -54,7 +54,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
-    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools.0"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
     ("chat/completions", {"messages": CHAT, "model": "no-such-model"}, 404, "model"),
 ]
