@@ -8,6 +8,7 @@ from pellucid.structured.params import StructuredOutputsParams
 _GREEDY_EPS = 1e-5
 # Integer settings travel to the engine as 64-bit integers (and seed torch generators, which take no more).
 _INT64_MIN, _INT64_MAX = -2 ** 63, 2 ** 63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -59,8 +60,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
+        # The sampler computes in float32: a value past its range would become inf, and inf turns masked
+        # (-inf) logits into NaN, so a banned or disallowed token could be drawn. NaN fails every comparison.
+        if not 0 <= self.temperature <= _FLOAT32_MAX:
+            bad("temperature", "must be a number >= 0 within float32's range")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -71,8 +74,8 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
+        if not 0 < self.repetition_penalty <= _FLOAT32_MAX:
+            bad("repetition_penalty", "must be a number > 0 within float32's range")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):

@@ -82,7 +82,11 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
     if any(p.edits_logits for p in kinds):
         logit_bias = {row: p.logit_bias for row, p in enumerate(params) if p.logit_bias}
         allowed = {row: p.allowed_token_ids for row, p in enumerate(params) if p.allowed_token_ids is not None}
-        grammar_rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+        grammar_rows = [row for row, p in enumerate(params) if p.structured_outputs is not None]
+        unbound = [requests[row].request_id for row in grammar_rows if requests[row].grammar is None]
+        if unbound:
+            raise ValueError(f"requests {unbound} ask for structured outputs but carry no grammar matcher (the "
+                             "engine that queues a request binds one)")
     if grammar_rows:
         grammar_bitmask = fill_bitmasks([requests[row].grammar for row in grammar_rows])
         grammar_bitmask = grammar_bitmask.to(device, non_blocking=True)   # pinned on CUDA machines

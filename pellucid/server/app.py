@@ -37,8 +37,9 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       chat_template_messages, new_id, parse_request, sampling_field_of)
 from pellucid.server.responses import (ChoiceTracker, Delta, chat_logprobs, completion_logprobs, echo_logprobs,
                                        prompt_logprobs)
-from pellucid.server.tool_calls import (ParsedAnswer, ToolPlan, plan_tools, template_messages, tool_calls_of, with_tools,
-                                        tool_call_parser as tool_call_parser_class)
+from pellucid.server.chat_answer import ChatAnswerStream, final_answer
+from pellucid.server.reasoning import REASONING_PARSERS
+from pellucid.server.tool_calls import TOOL_CALL_PARSERS, ToolPlan, plan_tools, template_messages, with_tools
 from pellucid.tokenizer import apply_chat_template
 from pellucid.tracing.http import trace_extras, with_saves
 from pellucid.tracing.plan import TRACE_KEY
@@ -93,10 +94,13 @@ class OpenAIServer:
     """Routes and per-request plumbing; one instance per app."""
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, extract_dir: str | None = None,
-                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: str | None = None) -> None:
         self.llm = llm
+        # chat answers' <think> part goes to the message's `reasoning` (pellucid/server/reasoning.py)
+        self.reasoning_parser = REASONING_PARSERS.get(reasoning_parser)() if reasoning_parser else None
         # tool_choice "auto": the parser that finds calls in answers (pellucid/server/tool_calls.py)
-        self.tool_call_parser = tool_call_parser_class(tool_call_parser) if tool_call_parser else None
+        self.tool_call_parser = TOOL_CALL_PARSERS.get(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
@@ -381,12 +385,12 @@ class OpenAIServer:
         choices = []
         for index in sorted(finals):
             final = finals[index]
-            answer = tools.answer(final.text) if tools is not None else ParsedAnswer(final.text)
+            answer = final_answer(final.text, final.finish_reason, tools, self.reasoning_parser)
             choices.append(ChatChoice(
-                index=index, message=ChatResponseMessage(content=answer.content, tool_calls=tool_calls_of(answer)),
+                index=index, message=ChatResponseMessage(content=answer.content, reasoning=answer.reasoning,
+                                                         tool_calls=answer.tool_calls),
                 logprobs=chat_logprobs(final, 0, top_logprobs) if top_logprobs is not None else None,
-                finish_reason=tools.finish_reason(final.finish_reason, bool(answer.calls)) if tools else final.finish_reason,
-                stop_reason=final.stop_reason))
+                finish_reason=answer.finish_reason, stop_reason=final.stop_reason))
         scored = (prompt_logprobs(final_outputs[0], body.prompt_logprobs) if body.prompt_logprobs is not None
                   else None)
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=tracker.usage(),
@@ -399,18 +403,14 @@ class OpenAIServer:
         def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
 
-        tool_streams = {i: tools.streamer() for i in range(body.n)} if tools is not None else {}
+        answers = {i: ChatAnswerStream(tools, self.reasoning_parser) for i in range(body.n)}
 
         def choice(delta: Delta) -> ChatStreamChoice | None:
-            content, calls, finish = delta.text or None, None, delta.finish_reason
-            if tools is not None:
-                stream = tool_streams[delta.index]
-                content, calls = stream.feed(delta.output.text, finish is not None)
-                finish = stream.finish_reason(finish)
-                if content is None and not calls and finish is None and top_logprobs is None:
-                    return None     # held back: it may begin a tool call
+            reasoning, content, calls, finish = answers[delta.index].feed(delta.output.text, delta.finish_reason)
+            if reasoning is None and content is None and not calls and finish is None and top_logprobs is None:
+                return None     # held back: it may begin a tag (a tool call, the end of the reasoning)
             return ChatStreamChoice(
-                index=delta.index, delta=DeltaMessage(content=content, tool_calls=calls or None),
+                index=delta.index, delta=DeltaMessage(content=content, reasoning=reasoning, tool_calls=calls or None),
                 logprobs=(chat_logprobs(delta.output, delta.token_start, top_logprobs)
                           if top_logprobs is not None else None),
                 finish_reason=finish, stop_reason=delta.output.stop_reason if delta.finish_reason else None)
@@ -484,11 +484,14 @@ def _guarded(server: OpenAIServer, handler: Callable[[Request], Awaitable[Respon
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               log_stats_interval: float | None = None, extract_dir: str | None = None,
-              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app; `log_stats_interval` > 0 logs a stats line that often while the app runs; `extract_dir` is
     where `extract_hidden_states` with output "server" writes (None: inline only); `tool_call_parser` names
-    the parser of tool_choice "auto", which `enable_auto_tool_choice` allows."""
-    server = OpenAIServer(async_llm, served_model_name, extract_dir, tool_call_parser, enable_auto_tool_choice)
+    the parser of tool_choice "auto", which `enable_auto_tool_choice` allows; `reasoning_parser` splits a
+    thinking model's reasoning from its answer."""
+    server = OpenAIServer(async_llm, served_model_name, extract_dir, tool_call_parser, enable_auto_tool_choice,
+                          reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

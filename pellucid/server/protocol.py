@@ -392,6 +392,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None                             # with --reasoning-parser: the <think> part
     tool_calls: list[Any] = Field(default_factory=list)      # pellucid.server.tool_calls.ToolCall
 
 
@@ -416,6 +417,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[Any] | None = None                      # pellucid.server.tool_calls.DeltaToolCall
 
 

@@ -12,7 +12,8 @@ import uvicorn
 
 from pellucid.engine.arg_utils import add_engine_args, engine_kwargs_from_args
 from pellucid.logger import get_logger
-from pellucid.server.tool_calls import tool_call_parser_names
+from pellucid.server.reasoning import REASONING_PARSERS
+from pellucid.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = get_logger(__name__)
 
@@ -39,8 +40,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice \"auto\": the model decides whether to call tools, and --tool-call-parser "
                         "finds the calls in its answer (\"required\" and named functions need neither flag)")
-    g.add_argument("--tool-call-parser", default=None, choices=tool_call_parser_names(),
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS.names(),
                    help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, Qwen and Hermes models)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS.names(),
+                   help="return a thinking model's <think>...</think> in the chat message's `reasoning` field, apart "
+                        "from its content (qwen3: when the answer opens with <think>; deepseek_r1: the template "
+                        "opened it in the prompt)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
@@ -69,7 +74,7 @@ def run_server(args: argparse.Namespace) -> int:
                      model)
         return 2
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        logger.error("--enable-auto-tool-choice needs --tool-call-parser (%s)", ", ".join(tool_call_parser_names()))
+        logger.error("--enable-auto-tool-choice needs --tool-call-parser (%s)", ", ".join(TOOL_CALL_PARSERS.names()))
         return 2
     served_name = args.served_model_name or args.model
     try:
@@ -81,7 +86,7 @@ def run_server(args: argparse.Namespace) -> int:
         log_banner(llm, args)
         app = build_app(llm, served_name, api_key=args.api_key, log_stats_interval=args.log_stats_interval,
                         extract_dir=args.extract_dir, tool_call_parser=args.tool_call_parser,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice)
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout)
         server = _GracefulServer(config)

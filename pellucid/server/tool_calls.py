@@ -8,7 +8,7 @@
   {"name", "parameters"} objects, or the named function's arguments), so the calls are well-formed by
   construction; no parser is needed.
 
-Parsers are registered by name (`register_tool_call_parser`), so a model family's format is a new class here.
+Parsers are registered by name (TOOL_CALL_PARSERS), so a model family's format is a new class here.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from pellucid.logger import get_logger
 from pellucid.sampling_params import SamplingParams
+from pellucid.server.parser_registry import ParserRegistry
 from pellucid.server.protocol import ProtocolError
 from pellucid.structured import StructuredOutputsParams
 
@@ -75,24 +76,7 @@ class ToolCallParser:
         raise NotImplementedError
 
 
-_PARSERS: dict[str, type[ToolCallParser]] = {}
-
-
-def register_tool_call_parser(parser: type[ToolCallParser]) -> type[ToolCallParser]:
-    if not parser.name:
-        raise TypeError(f"a tool-call parser needs a name, got {parser!r}")
-    _PARSERS[parser.name] = parser
-    return parser
-
-
-def tool_call_parser_names() -> list[str]:
-    return sorted(_PARSERS)
-
-
-def tool_call_parser(name: str) -> type[ToolCallParser]:
-    if name not in _PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(tool_call_parser_names())}")
-    return _PARSERS[name]
+TOOL_CALL_PARSERS: ParserRegistry[ToolCallParser] = ParserRegistry("tool-call parser")
 
 
 def _call_from_json(body: str) -> tuple[str, str]:
@@ -103,7 +87,7 @@ def _call_from_json(body: str) -> tuple[str, str]:
     return call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)
 
 
-def _held_back(text: str, tag: str) -> int:
+def held_back(text: str, tag: str) -> int:
     """How many characters at the end of `text` could begin `tag` (not sent until the next token decides)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):
@@ -150,7 +134,7 @@ class TaggedToolCallParser(ToolCallParser):
     def stream(self, text: str, finished: bool) -> tuple[str, list[tuple[str, str]]]:
         first = text.find(self.start_tag)
         if first == -1:
-            sendable = len(text) if finished else len(text) - _held_back(text, self.start_tag)
+            sendable = len(text) if finished else len(text) - held_back(text, self.start_tag)
         else:
             sendable = first
         content = text[self._sent:sendable] if sendable > self._sent else ""
@@ -166,7 +150,7 @@ class TaggedToolCallParser(ToolCallParser):
         return content, calls
 
 
-@register_tool_call_parser
+@TOOL_CALL_PARSERS.register
 class HermesToolCallParser(TaggedToolCallParser):
     name = "hermes"
     start_tag = "<tool_call>"

@@ -165,6 +165,11 @@ def test_stop_string_spanning_tokens_is_trimmed_exactly(llm, seed):
     (dict(prompt_logprobs=2 ** 64), "prompt_logprobs"),
     (dict(stop_token_ids=[5, 2 ** 64]), "stop_token_ids"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    # Past float32's range the sampler's inf would turn masked logits into NaN; NaN fails every bound.
+    (dict(temperature=1e308), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(top_p=float("nan")), "top_p"),
 ])
 def test_bad_sampling_params_name_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,86 @@
+"""Reasoning outputs: the parsers split an answer the same whole and streamed (on random answers), and a server
+run with --reasoning-parser qwen3 returns the <think> part in `reasoning`, apart from the content and its tool
+calls, through the openai client."""
+from __future__ import annotations
+
+import json
+import random
+
+import openai
+import pytest
+
+from pellucid.engine.async_llm import AsyncLLM
+from pellucid.server.app import build_app
+from pellucid.server.chat_answer import ChatAnswerStream
+from pellucid.server.reasoning import REASONING_PARSERS
+from server_harness import ENGINE_KWARGS, MODEL_NAME, run_app_in_thread
+
+
+def _random_answer(rng: random.Random) -> str:
+    parts = [rng.choice(["", "<think>", "<think>\n", "<thi", "x<think>"]), rng.choice(["", "step one, ", "a < b"]),
+             rng.choice(["", "</think>", "</think>\n\n", "</thi"]), rng.choice(["", "The answer.", "<think>again"])]
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("seed", range(3))
+def test_streamed_split_equals_the_whole_split(name, seed):
+    rng = random.Random(seed)
+    parser = REASONING_PARSERS.get(name)()
+    for _ in range(60):
+        answer = _random_answer(rng)
+        reasoning, content = parser.split(answer, finished=True)
+        stream, got_reasoning, got_content, cut = ChatAnswerStream(None, parser), "", "", 0
+        while cut < len(answer) or cut == 0:
+            cut = min(len(answer), cut + rng.randrange(1, 4))
+            thought, text, calls, _ = stream.feed(answer[:cut], "stop" if cut == len(answer) else None)
+            got_reasoning += thought or ""
+            got_content += text or ""
+            assert not calls
+            if cut == len(answer):
+                break
+        assert (got_reasoning, got_content) == (reasoning, content), answer
+    if name == "qwen3":
+        assert parser.split("plain answer", True) == ("", "plain answer")
+        assert parser.split("<think>cut short", True) == ("cut short", "")
+    else:
+        assert parser.split("thought</think>answer", True) == ("thought", "answer")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(server_model_dir):
+    llm = AsyncLLM(server_model_dir, served_model_name=MODEL_NAME, engine_process=False, **ENGINE_KWARGS)
+    url, server, thread = run_app_in_thread(build_app(llm, MODEL_NAME, reasoning_parser="qwen3",
+                                                      tool_call_parser="hermes", enable_auto_tool_choice=True))
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    server.should_exit = True
+    thread.join(timeout=30)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_comes_apart_from_content_and_tool_calls(thinking_server, stream):
+    """The random model's answer is held to `<think>...</think>` + text + a hermes call by a constraint."""
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    answer = "<think>\nsmall steps\n</think>\n\nSo: " + call
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "go"}], max_tokens=120, temperature=0,
+                  tools=tools, extra_body={"structured_outputs": {"choice": [answer]}})
+    if stream:
+        reasoning = content = arguments = ""
+        finish = None
+        for chunk in thinking_server.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning", None) or ""
+                content += choice.delta.content or ""
+                arguments += "".join(c.function.arguments or "" for c in choice.delta.tool_calls or [])
+                finish = choice.finish_reason or finish
+    else:
+        choice = thinking_server.chat.completions.create(**kwargs).choices[0]
+        reasoning, content, finish = choice.message.reasoning, choice.message.content, choice.finish_reason
+        arguments = "".join(c.function.arguments for c in choice.message.tool_calls)
+    assert reasoning == "\nsmall steps\n" and content == "\n\nSo: " and finish == "tool_calls"
+    assert json.loads(arguments) == {"x": 1}
+    plain = thinking_server.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "go"}],
+                                                    max_tokens=4, temperature=0)
+    assert getattr(plain.choices[0].message, "reasoning", None) is None
