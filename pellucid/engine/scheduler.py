@@ -324,9 +324,11 @@ class Scheduler:
             if not samples:
                 continue
             token = sampled.get(request.request_id)
-            if token is None:
-                self._finish(request, RequestStatus.FINISHED_ERROR,
-                             error="the model runner returned no token for a request that was due to sample")
+            if token is None or token < 0:
+                self._finish(request, RequestStatus.FINISHED_ERROR, error=(
+                    "the model runner returned no token for a request that was due to sample" if token is None else
+                    "no token satisfies the request's constraints: its allowed_token_ids, structured-output grammar "
+                    "and min_tokens bans of EOS and stop ids exclude every token"))
                 append_changed(request)
                 continue
             output_token_ids = request.output_token_ids

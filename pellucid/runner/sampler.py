@@ -18,6 +18,10 @@ from pellucid.kernels import fused_kernels_enabled
 from pellucid.runner.sampling_metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
 
 
+# The sampled id of a row whose constraints allow no token (never a vocabulary id).
+NO_TOKEN = -1
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=1); on CUDA the multi-program kernel (pellucid.kernels.argmax), which reads a
     small batch's rows with many SMs instead of one per row."""
@@ -268,23 +272,27 @@ class Sampler:
         sampled = _to_vocab_ids(self.sample(logits, metadata, column_token_ids, vocab_size), column_token_ids)
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = _gather_from_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+            logprobs = _gather_from_logprobs(raw_logprobs, sampled.clamp_min(0), metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata, column_token_ids: torch.Tensor | None = None,
                vocab_size: int | None = None) -> torch.Tensor:
-        """The sampled column of each row."""
+        """The sampled column of each row; NO_TOKEN for a row whose constraints (an allowed set, a grammar,
+        min_tokens bans) leave no token at all, which the scheduler ends with an error."""
         logits = self.penalized_logits(logits, metadata)
+        # Only a mask can empty a row (top-k, top-p and min-p always keep its best token).
+        satisfiable = logits.amax(dim=1) > float("-inf") if metadata.edits_logits else None
         greedy = None if metadata.all_random else greedy_argmax(logits)
         if metadata.all_greedy:
-            return greedy
-        probs = self.filtered_logits(logits, metadata).softmax(dim=1)
-        noise = exponential_noise(probs.shape, probs.device, metadata.seeds, SAMPLER_STREAM,
-                                  column_token_ids, vocab_size)
-        sampled = probs.div_(noise).argmax(dim=1)
-        if greedy is None:
-            return sampled
-        return torch.where(metadata.temperature == 0, greedy, sampled)
+            sampled = greedy
+        else:
+            probs = self.filtered_logits(logits, metadata).softmax(dim=1)
+            noise = exponential_noise(probs.shape, probs.device, metadata.seeds, SAMPLER_STREAM,
+                                      column_token_ids, vocab_size)
+            sampled = probs.div_(noise).argmax(dim=1)
+            if greedy is not None:
+                sampled = torch.where(metadata.temperature == 0, greedy, sampled)
+        return sampled if satisfiable is None else torch.where(satisfiable, sampled, NO_TOKEN)
 
     @staticmethod
     def penalized_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

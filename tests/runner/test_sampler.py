@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from pellucid.engine.request import Request
-from pellucid.runner.sampler import Sampler, gather_logprobs
+from pellucid.runner.sampler import NO_TOKEN, Sampler, gather_logprobs
 from pellucid.runner.sampling_metadata import SamplingMetadata
 from pellucid.runner.sampling_metadata_builder import build_sampling_metadata
 from pellucid.sampling_params import SamplingParams
@@ -513,3 +513,19 @@ def test_dense_head_samples_model_dtype_logits_like_float32_ones(device, seed):
         if params.logprobs is not None:
             assert torch.equal(got.logprobs.logprobs, want.logprobs.logprobs)
             assert torch.equal(got.logprobs.token_ids, want.logprobs.token_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_row_whose_constraints_exclude_every_token_gets_no_token(device: str, temperature: float) -> None:
+    """allowed_token_ids inside the min_tokens bans leave nothing: that row gets NO_TOKEN (never a token its
+    constraints exclude), its logprobs are still computed, and the other rows sample as alone."""
+    rng = torch.Generator().manual_seed(3)
+    stuck = SamplingParams(temperature=temperature, seed=1, min_tokens=2, allowed_token_ids=[EOS], logprobs=2)
+    free = SamplingParams(temperature=temperature, seed=2, logit_bias={9: 1.0}, logprobs=2)
+    requests = [make_request("stuck", stuck, rng), make_request("free", free, rng)]
+    logits = random_logits(2, rng)
+    output = sampler(logits.to(device), build_sampling_metadata(requests, device))
+    alone = sampler(logits[1:].to(device), build_sampling_metadata([make_request("free", free, rng)], device))
+    assert output.sampled_token_ids.cpu().tolist() == [NO_TOKEN, int(alone.sampled_token_ids[0])]
+    assert output.logprobs.token_ids.shape == (2, 3)

@@ -153,3 +153,17 @@ def test_a_completed_grammar_ends_the_request_even_with_ignore_eos(llm):
                             structured_outputs=StructuredOutputsParams(choice=["done"]))
     out = llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0]
     assert out.text == "done" and out.finish_reason == "stop"
+
+
+def test_constraints_that_exclude_every_token_end_that_request_only(llm):
+    """A grammar whose tokens allowed_token_ids forbids: the request ends with an error naming the cause (no
+    token outside its constraints is ever drawn); the request beside it and the engine go on."""
+    digits = SamplingParams(temperature=0.8, seed=3, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"),
+                            allowed_token_ids=[t for t in range(5, 500) if not llm.tokenizer.decode([t]).strip()
+                                               .isdigit()])
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    stuck, fine = llm.generate(["hello", "hello"], [digits, free], use_tqdm=False)
+    assert stuck.outputs[0].finish_reason == "error" and stuck.outputs[0].token_ids == []
+    assert "no token satisfies the request's constraints" in stuck.error
+    assert fine.outputs[0].token_ids == llm.generate(["hello"], free, use_tqdm=False)[0].outputs[0].token_ids
