@@ -1,12 +1,13 @@
 """Cost of structured outputs: one batch unconstrained, held to a regex, and held to a JSON schema, in the
 same run.
 
-    python benchmarks/structured_bench.py [--model DIR] [--device auto] [--num-prompts 64] [--output-len 64]
-                                          [--repeats 3]
+    python benchmarks/structured_bench.py [--model DIR] [--device auto] [--dtype auto] [--num-prompts 64]
+                                          [--output-len 64] [--repeats 3]
 
 A constrained request's next-token mask is computed on the host (llguidance, all of a step's rows in
 parallel threads) and copied to the device with the step's other sampling inputs; such requests never step
-ahead. Prints output tokens/s (median of --repeats; the workloads interleave within each repeat) and the
+ahead, and the "serial steps" row (unconstrained, with min_tokens, which also keeps requests from stepping
+ahead) shows what that alone costs. Prints output tokens/s (median of --repeats; the workloads interleave within each repeat) and the
 ratio to the unconstrained batch (the median of each repeat's ratio), and checks the constrained outputs
 against their constraint (every regex output, which runs to max_tokens; the JSON outputs that finished). Without --model it uses the embedded default model (pellucid-debian-13m), a
 byte-level BPE tokenizer that can write JSON; its steps are short, so the mask's host time weighs the most.
@@ -40,6 +41,9 @@ def workloads(output_len: int) -> dict[str, SamplingParams]:
     common = dict(temperature=0.8, seed=1, max_tokens=output_len)
     return {
         "unconstrained": SamplingParams(ignore_eos=True, **common),
+        # What the constrained rows pay for stepping serially (they never step ahead), without any mask:
+        # min_tokens also keeps a request from stepping ahead.
+        "unconstrained, serial steps": SamplingParams(ignore_eos=True, min_tokens=output_len, **common),
         # min_tokens keeps EOS off until max_tokens, so these rows are as long as the unconstrained ones
         "regex": SamplingParams(structured_outputs=StructuredOutputsParams(regex=REGEX), min_tokens=output_len,
                                 **common),
@@ -61,15 +65,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
     batch = prompts(llm, args.num_prompts)
     runs = workloads(args.output_len)
-    for params in runs.values():     # warm-up: kernels, graphs, the grammar tokenizer
-        llm.generate(batch[:4], params, use_tqdm=False)
+    for params in runs.values():     # warm-up: kernels, a graph per batch size, the grammar tokenizer
+        llm.generate(batch, params, use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     matched: dict[str, tuple[int, int]] = {}
     lengths: dict[str, float] = {}

@@ -6,6 +6,7 @@ the request is made: a schema, regex or grammar that cannot compile is refused t
 """
 from __future__ import annotations
 
+import functools
 import json as json_module
 from dataclasses import dataclass
 from typing import Any
@@ -67,13 +68,20 @@ class StructuredOutputsParams:
         checked = self.__dict__.get("_checked_grammar")
         if checked is not None:
             return checked
-        from llguidance import LLMatcher
         try:
             grammar = self.grammar_text()
         except ValueError as exc:
             raise ValueError(f"structured_outputs cannot compile: {exc}") from exc
-        error = LLMatcher.validate_grammar(grammar)
+        error = _validation_error(grammar)
         if error:
             raise ValueError(f"structured_outputs cannot compile: {error.strip()}")
         self.__dict__["_checked_grammar"] = grammar
         return grammar
+
+
+@functools.lru_cache(maxsize=256)
+def _validation_error(grammar: str) -> str:
+    """llguidance's verdict on a grammar ("" when it compiles): the same constraint sent again is not
+    recompiled to be checked."""
+    from llguidance import LLMatcher
+    return LLMatcher.validate_grammar(grammar)
