@@ -105,8 +105,8 @@ def apply_allowed_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> to
 def apply_grammar_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Structured outputs: each grammar row keeps only the tokens its bitmask allows."""
     assert metadata.grammar_bitmask is not None
-    rows = _device_tensors(metadata, "grammar_rows",
-                           lambda: (host_to_device(metadata.grammar_rows, torch.int64, logits.device),))[0]
+    # Built each step: grammar masks change every step, so such metadata is never reused.
+    rows = host_to_device(metadata.grammar_rows, torch.int64, logits.device)
     bitmask = metadata.grammar_bitmask.to(logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(2) >> shifts) & 1).flatten(1)[:, :logits.shape[1]].bool()
