@@ -2,7 +2,7 @@
 same run.
 
     python benchmarks/structured_bench.py [--model DIR] [--device auto] [--dtype auto] [--num-prompts 64]
-                                          [--output-len 64] [--repeats 3]
+                                          [--output-len 64] [--repeats 3] [--profile]
 
 A constrained request's next-token mask is computed on the host (llguidance, all of a step's rows in
 parallel threads) and copied to the device with the step's other sampling inputs; such requests never step
@@ -15,7 +15,9 @@ byte-level BPE tokenizer that can write JSON; its steps are short, so the mask's
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import re
 import statistics
 import time
@@ -69,6 +71,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="also run the regex batch once under cProfile: host time in llguidance's mask fill")
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     batch = prompts(llm, args.num_prompts)
@@ -98,6 +102,16 @@ def main() -> None:
         ok, total = matched[name]
         print(f"| {name} | {lengths[name]:.1f} | {statistics.median(values):,.0f} | {statistics.median(ratios):.3f} "
               f"({', '.join(f'{r:.3f}' for r in ratios)}) | {ok} / {total} |")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        llm.generate(batch, runs["regex"], use_tqdm=False)
+        profile.disable()
+        fills = [(calls, seconds) for (_, _, function), (_, calls, seconds, _, _) in pstats.Stats(profile).stats.items()
+                 if "compute_mask" in function]
+        steps, seconds = sum(c for c, _ in fills), sum(s for _, s in fills)
+        print(f"regex batch under cProfile: {steps} mask fills, {seconds / max(steps, 1) * 1e3:.2f} ms each, "
+              f"{seconds / max(steps * len(batch), 1) * 1e6:.1f} us per row")
 
 
 if __name__ == "__main__":
