@@ -304,12 +304,17 @@ class OpenAIServer:
         # run the prompt), opens each choice's first chunk.
         echo_first = body.echo and body.logprobs is not None
 
+        # Each choice's next text_offset, counted as the non-streamed response counts it (the lengths of the
+        # tokens' own texts), not from the text sent so far, which lags where a token's bytes end mid-character.
+        next_offset: dict[int, int] = {}
+
         def choice(delta: Delta) -> CompletionChoice:
             prefix = echo[delta.index // body.n]
             text, logprobs = delta.text, None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(delta.output, delta.token_start, body.logprobs,
-                                               len(prefix) + delta.text_start)
+                start = next_offset.get(delta.index, len(prefix))
+                logprobs = completion_logprobs(delta.output, delta.token_start, body.logprobs, start)
+                next_offset[delta.index] = start + sum(map(len, logprobs.tokens))
             if echo_first and delta.text_start == 0 and delta.token_start == 0:
                 text = prefix + text
                 assert logprobs is not None

@@ -401,3 +401,20 @@ def test_structured_outputs_on_both_endpoints(client, server, hf):
         response = httpx.post(f"{server.base_url}/completions", timeout=30,
                               json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.text)
+
+
+def test_streamed_text_offsets_equal_the_non_streamed_ones(client):
+    """text_offset counts the tokens' own texts, streamed or not, also where a token ends mid-character (the
+    streamed text then lags the tokens: here 'é' is two byte tokens, held to by a regex)."""
+    kwargs = dict(model=MODEL_NAME, prompt="accents:", max_tokens=8, temperature=0, logprobs=1,
+                  extra_body={"structured_outputs": {"regex": "(é|ü){4}"}})
+    whole = client.completions.create(**kwargs).choices[0]
+    tokens, offsets, text = [], [], ""
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+    assert len(whole.logprobs.tokens) > 4 and text == whole.text
+    assert (tokens, offsets) == (whole.logprobs.tokens, whole.logprobs.text_offset)
