@@ -105,7 +105,6 @@ class SamplingParams:
                                                    or any(not _is_token_id(t) for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got "
                              f"{self.allowed_token_ids!r}")
-
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")

@@ -41,9 +41,10 @@ class SamplingMetadata:
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
     max_num_logprobs: int | None = None  # top-k alternatives to return (None: no logprobs)
-    # Rows whose result needs every logit of the vocabulary (they ask for logprobs, carry a penalty or have
-    # banned tokens), for heads that may serve the other rows approximately. None (metadata built by hand):
-    # every row when the batch has logprobs or penalties, the rows with banned tokens otherwise.
+    # Rows whose result needs every logit of the vocabulary (they ask for logprobs, carry a penalty or have their
+    # logits edited: banned tokens, a bias, an allowed set, a grammar), for heads that may serve the other rows
+    # approximately. None (metadata built by hand): every row when the batch has logprobs or penalties, the rows
+    # with edited logits otherwise.
     full_vocab_rows: list[int] | None = None
     # Device tensors the sampler built from the host fields above, kept for the steps that reuse this metadata
     # (a steady decode batch); a subset starts empty.
@@ -52,7 +53,8 @@ class SamplingMetadata:
 
     @property
     def edits_logits(self) -> bool:
-        """Whether some row's logits change before sampling by banned tokens, a logit bias or an allowed set."""
+        """Whether some row's logits change before sampling: banned tokens, a logit bias, an allowed set or a
+        grammar."""
         return bool(self.banned_token_ids or self.logit_bias or self.allowed_token_ids or self.grammar_rows)
 
     def subset(self, rows: list[int], index: torch.Tensor) -> SamplingMetadata:
@@ -61,10 +63,10 @@ class SamplingMetadata:
         renumber = {old: new for new, old in enumerate(rows)}
         pick = (lambda lists: None if lists is None else [lists[r] for r in rows])
         kept = [i for i, r in enumerate(self.grammar_rows) if r in renumber]
-        bitmask = self.grammar_bitmask
+        bitmask = self.grammar_bitmask if kept else None
         if bitmask is not None and len(kept) < len(self.grammar_rows):
-            index = torch.tensor(kept, dtype=torch.int64).to(bitmask.device, non_blocking=True)
-            bitmask = bitmask.index_select(0, index) if kept else None
+            bitmask = bitmask.index_select(0, torch.tensor(kept, dtype=torch.int64).to(bitmask.device,
+                                                                                          non_blocking=True))
         return dataclasses.replace(
             self,
             temperature=self.temperature[index], top_p=self.top_p[index], top_k=self.top_k[index],
