@@ -1,10 +1,12 @@
 """Pellucid: a fast LLM inference and serving engine whose internals are open."""
-from pellucid.outputs import CompletionOutput, Logprob, RequestOutput
+from pellucid.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from pellucid.pooling import PoolingParams
 from pellucid.sampling_params import SamplingParams
 from pellucid.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

@@ -18,7 +18,8 @@ from pellucid.engine.engine_core import EngineCore, EngineInfo
 from pellucid.engine.input_processor import InputProcessor, ProcessedRequest, send
 from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
-from pellucid.outputs import RequestOutput
+from pellucid.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pellucid.pooling.config import PoolerConfig, PoolingParams
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import apply_chat_template, load_tokenizer
 
@@ -47,15 +48,20 @@ def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[str | 
 class LLM:
     """`LLM(model=DIR, dtype=..., max_model_len=..., ...)`; with no model, the embedded default model."""
 
-    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, pooler_config: dict[str, Any] | str | None = None,
+                 **engine_kwargs: Any) -> None:
+        """`pooler_config`: how `embed` pools, over the model directory's own (see pellucid/pooling/config.py)."""
         if model is None or model == "default":
             from pellucid.default_model import ensure_default_model
             model = ensure_default_model()
+        PoolerConfig().overridden(pooler_config)      # a bad override fails here, before the engine starts
+        self._pooler_override = pooler_config
         self._start(EngineConfig.from_kwargs(model, **engine_kwargs))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         llm = cls.__new__(cls)
+        llm._pooler_override = None
         llm._start(config)
         return llm
 
@@ -67,6 +73,7 @@ class LLM:
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._ids = itertools.count()
+        self._embedder: Any = None
 
     @property
     def engine(self) -> EngineCore:
@@ -132,6 +139,27 @@ class LLM:
         prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt,
                                        **(chat_template_kwargs or {})) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`output.outputs.embedding`): the final-normed hidden states pooled as the
+        model's pooler says (last token, mean or first; normalised or not), see pellucid/pooling/. ValueError
+        (nothing queued) for a bad prompt or params; RuntimeError if a request fails in the engine."""
+        from pellucid.pooling.embedder import EMBED_SAMPLING, Embedder
+
+        if self._embedder is None:
+            self._embedder = Embedder.for_engine(self.info, self._pooler_override)
+        embedder = self._embedder
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        embedder.check(params)
+        prompt_list = normalize_prompts(prompts)
+        # Truncated before the engine's checks, which then see what is embedded.
+        ids = [embedder.prompt_ids(self.input_processor.tokenize(p) if isinstance(p, str) else p, params)
+               for p in prompt_list]
+        outputs = self.generate(ids, EMBED_SAMPLING, use_tqdm=use_tqdm, extras=[embedder.extras()] * len(ids))
+        return [EmbeddingRequestOutput(out.request_id, prompt if isinstance(prompt, str) else None,
+                                       out.prompt_token_ids, EmbeddingOutput(embedder.embedding(out, params).tolist()))
+                for prompt, out in zip(prompt_list, outputs)]
 
     def trace(self, prompts: PromptType | Sequence[PromptType] | None = None,
               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Any:

@@ -41,3 +41,23 @@ class RequestOutput:
     error: str | None = None                  # set when the request ended with an error
     metrics: dict[str, float] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)  # saved activations, hidden states, ...
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]                    # float32 values, pooled (and normalised) as the model's pooler says
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result per prompt, shaped like vLLM's (output.outputs.embedding)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -102,6 +102,8 @@ class KVCacheManager:
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.prefix_cache_read_limit is not None:
+            max_blocks = min(max_blocks, request.prefix_cache_read_limit // self.block_size)
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)

@@ -67,9 +67,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.num_preemptions = 0
-        # Prefix-cache policy. Tracing/extraction requests turn reading off (they must compute every
-        # position they observe) and edited requests turn publishing off (their KV is not the model's).
+        # Prefix-cache policy. A traced request reads cached KV only below the first position it observes
+        # (it must compute every position it observes) and an edited request turns publishing off (its KV
+        # is not the model's).
         self.read_prefix_cache = True
+        self.prefix_cache_read_limit: int | None = None   # a hit covers at most this many leading tokens
         self.publish_prefix_cache = True
         # Longest sequence this request may reach (prompt + output), set by the engine from max_model_len.
         max_tokens = sampling_params.max_tokens

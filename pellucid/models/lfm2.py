@@ -217,6 +217,7 @@ class Lfm2Model(nn.Module):
 
 
 @register_model("Lfm2ForCausalLM")
+@register_model("Lfm2Model")      # the backbone alone (see llama.py)
 class Lfm2ForCausalLM(nn.Module):
     """Constructor `(hf_config, dtype, device, max_model_len=None)`; forward(input_ids [T]) -> hidden [T, hidden].
 

@@ -309,10 +309,14 @@ def check_supported_config(hf_config: Any, max_model_len: int) -> None:
             f"sequences longer than the window; set max_model_len <= {window} to serve this model")
 
 
+# "<Arch>Model": the backbone alone, as transformers' AutoModel saves it and embedding models are published
+# (tensors without the "model." prefix: models/loader.py); it serves embeddings (pellucid/pooling).
 register_model("LlamaForCausalLM")(LlamaForCausalLM)
+register_model("LlamaModel")(LlamaForCausalLM)
 
 
 @register_model("MistralForCausalLM")
+@register_model("MistralModel")
 class MistralForCausalLM(LlamaForCausalLM):
 
     @classmethod
@@ -321,6 +325,7 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 
 @register_model("Qwen2ForCausalLM")
+@register_model("Qwen2Model")
 class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @classmethod

@@ -89,8 +89,10 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     prefixes = getattr(model, "checkpoint_prefixes", None)
     filled: dict[str, int] = defaultdict(int)     # parameter name -> elements written
     unexpected: list[str] = []
+    bare = _bare_backbone_prefix(model, model_dir, params) if prefixes is None else ""
     with torch.no_grad():
         for path, name, stored in _iter_checkpoint(model_dir, prefixes):
+            name = bare + name
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
                 continue
             target = resolve(name) if resolve is not None else None
@@ -131,7 +133,21 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     missing = sorted(name for name, param in params.items() if filled[name] < param.numel())
     if missing:
         partial = [f"{n} ({filled[n]} of {params[n].numel()} elements)" if filled[n] else n for n in missing]
-        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(partial)}")
+        why = ""
+        if bare and missing == ["lm_head.weight"]:
+            why = (" (the checkpoint holds the backbone alone, as an embedding model's does, and its config does "
+                   "not tie the LM head to the input embeddings, so there is no LM head to load)")
+        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(partial)}{why}")
+
+
+def _bare_backbone_prefix(model: nn.Module, model_dir: str, params: dict[str, nn.Parameter]) -> str:
+    """"model." when the checkpoint was saved from the backbone alone (transformers' `*Model`, as embedding
+    models are published) and names its tensors without the backbone's prefix; else ""."""
+    prefix = getattr(model, "backbone_path", "model") + "."
+    names = [name for file_names in checkpoint_files(model_dir).values() for name in file_names]
+    if any(name.startswith(prefix) for name in names):
+        return ""
+    return prefix if any(prefix + name in params for name in names) else ""
 
 
 def _draw_random_weights(model: nn.Module, spec_path: str) -> None:

@@ -85,6 +85,7 @@ class MoeCausalLM(LlamaForCausalLM):
 
 
 @register_model("Qwen3MoeForCausalLM")
+@register_model("Qwen3MoeModel")      # the backbone alone (see llama.py)
 class Qwen3MoeForCausalLM(MoeCausalLM):
 
     @classmethod
@@ -93,6 +94,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
 
 
 @register_model("Qwen2MoeForCausalLM")
+@register_model("Qwen2MoeModel")
 class Qwen2MoeForCausalLM(MoeCausalLM):
     shared_expert = True
 
@@ -102,6 +104,7 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
 
 
 @register_model("MixtralForCausalLM")
+@register_model("MixtralModel")
 class MixtralForCausalLM(MoeCausalLM):
     weights_in_logits_dtype = False     # transformers' Mixtral router keeps the weights in float32
 

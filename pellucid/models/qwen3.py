@@ -8,6 +8,7 @@ from pellucid.models.registry import register_model
 
 
 @register_model("Qwen3ForCausalLM")
+@register_model("Qwen3Model")      # the backbone alone (see llama.py)
 class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod

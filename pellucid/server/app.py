@@ -26,7 +26,9 @@ from pellucid.extraction.sink import EXTRACTION_KEY
 from pellucid.extraction.http import ExtractionRequest, ServerExtraction
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
+from pellucid.pooling.config import PoolerConfig
 from pellucid.sampling_params import SamplingParams
+from pellucid.server.embeddings import ServerEmbeddings
 from pellucid.server.disconnect import ClientDisconnected, until_disconnect
 from pellucid.server.metrics import RequestTimer, ServerMetrics, log_stats_periodically
 from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -95,7 +97,7 @@ class OpenAIServer:
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, extract_dir: str | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, pooler_config: dict[str, Any] | str | None = None) -> None:
         self.llm = llm
         # chat answers' <think> part goes to the message's `reasoning` (pellucid/server/reasoning.py)
         self.reasoning_parser = REASONING_PARSERS.get(reasoning_parser)() if reasoning_parser else None
@@ -108,6 +110,7 @@ class OpenAIServer:
         self.lm_head = llm.info.lm_head          # the head's describe(); its row counters come with the stats
         self.metrics.set_lm_head(self.lm_head)
         self.extraction = ServerExtraction(llm, extract_dir)   # the extract_hidden_states field
+        self.embeddings = ServerEmbeddings(self, pooler_config)  # /v1/embeddings
         self.ignored_fields: set[str] = set()    # request fields this server does not know, warned about once each
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -490,13 +493,15 @@ def _guarded(server: OpenAIServer, handler: Callable[[Request], Awaitable[Respon
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               log_stats_interval: float | None = None, extract_dir: str | None = None,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, pooler_config: dict[str, Any] | str | None = None) -> FastAPI:
     """The app; `log_stats_interval` > 0 logs a stats line that often while the app runs; `extract_dir` is
     where `extract_hidden_states` with output "server" writes (None: inline only); `tool_call_parser` names
     the parser of tool_choice "auto", which `enable_auto_tool_choice` allows; `reasoning_parser` splits a
-    thinking model's reasoning from its answer."""
+    thinking model's reasoning from its answer; `pooler_config` (vLLM's --pooler-config) overrides how
+    /v1/embeddings pools (pellucid/pooling/config.py)."""
+    PoolerConfig().overridden(pooler_config)       # a bad override fails at start-up
     server = OpenAIServer(async_llm, served_model_name, extract_dir, tool_call_parser, enable_auto_tool_choice,
-                          reasoning_parser)
+                          reasoning_parser, pooler_config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -517,6 +522,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     protected = protected_router(app, api_key)
     protected.add_api_route("/v1/completions", _guarded(server, server.completions), methods=["POST"])
     protected.add_api_route("/v1/chat/completions", _guarded(server, server.chat_completions), methods=["POST"])
+    protected.add_api_route("/v1/embeddings", _guarded(server, server.embeddings.create), methods=["POST"])
     protected.add_api_route("/tokenize", _guarded(server, server.tokenize), methods=["POST"])
     protected.add_api_route("/detokenize", _guarded(server, server.detokenize), methods=["POST"])
     protected.add_api_route("/v1/models", _guarded(server, lambda _request: server.models()), methods=["GET"])

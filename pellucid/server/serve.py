@@ -12,6 +12,7 @@ import uvicorn
 
 from pellucid.engine.arg_utils import add_engine_args, engine_kwargs_from_args
 from pellucid.logger import get_logger
+from pellucid.pooling.config import PoolerConfig
 from pellucid.server.reasoning import REASONING_PARSERS
 from pellucid.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -46,6 +47,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="return a thinking model's <think>...</think> in the chat message's `reasoning` field, apart "
                         "from its content (qwen3: when the answer opens with <think>; deepseek_r1: the template "
                         "opened it in the prompt)")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help="how /v1/embeddings pools the final hidden states, over what the model directory's "
+                        "sentence-transformers files say (default without them: the last token, normalised): "
+                        "'{\"pooling_type\": \"last\" | \"mean\" | \"cls\", \"normalize\": true | false}'")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
@@ -76,6 +81,11 @@ def run_server(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         logger.error("--enable-auto-tool-choice needs --tool-call-parser (%s)", ", ".join(TOOL_CALL_PARSERS.names()))
         return 2
+    try:
+        PoolerConfig().overridden(args.pooler_config)
+    except ValueError as exc:
+        logger.error("--pooler-config: %s", exc)
+        return 2
     served_name = args.served_model_name or args.model
     try:
         llm = AsyncLLM(model, served_model_name=served_name, **engine_kwargs_from_args(args))
@@ -86,7 +96,8 @@ def run_server(args: argparse.Namespace) -> int:
         log_banner(llm, args)
         app = build_app(llm, served_name, api_key=args.api_key, log_stats_interval=args.log_stats_interval,
                         extract_dir=args.extract_dir, tool_call_parser=args.tool_call_parser,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
+                        pooler_config=args.pooler_config)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout)
         server = _GracefulServer(config)

@@ -2,8 +2,8 @@
 
 Frontend: the ops are checked against the engine's site table (published at start-up), so a bad
 intervention is refused before it reaches the engine. Engine: each request gets its own bound plan
-(the runner records and edits through it), a traced request computes every prompt position itself
-(it never reads the prefix cache) and an edited one never publishes to it; when traced requests end,
+(the runner records and edits through it), a traced request computes every position its ops touch
+itself (it reads the prefix cache only below the first of them) and an edited one never publishes to it; when traced requests end,
 their saves are assembled together and become the request's feature outputs.
 """
 from __future__ import annotations
@@ -73,10 +73,14 @@ class EngineTracing(EngineFeature):
         plan = TracePlan.from_extras(request.extras[TRACE_KEY])
         if not plan.ops:
             raise ValueError("the trace has no ops")
-        request.extras[TRACE_KEY] = plan.bind(request.num_prompt_tokens, request.max_total_tokens,
-                                              request.request_id, site_table(self.runner))
-        # A traced request computes every prompt position itself; an edited one's KV is not the model's.
-        request.read_prefix_cache = False
+        plan = plan.bind(request.num_prompt_tokens, request.max_total_tokens, request.request_id,
+                         site_table(self.runner))
+        request.extras[TRACE_KEY] = plan
+        # A traced request computes every position its ops touch itself (the KV below the first of them is
+        # the model's, cached or not); an edited one's KV is not the model's.
+        first = plan.first_position()
+        request.read_prefix_cache = first > 0
+        request.prefix_cache_read_limit = first
         if plan.edits:
             request.publish_prefix_cache = False
 

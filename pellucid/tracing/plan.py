@@ -116,6 +116,10 @@ class TracePlan:
         plan.edits_logits = any(plan.ops[i].edits for i in plan.ops_at(LOGITS))
         return plan
 
+    def first_position(self) -> int:
+        """The first position any op of this bound plan touches."""
+        return min(int(selected[0]) for selected in self.selected)
+
     def module_targets(self) -> list[tuple[str, str]]:
         return [t for t in self.by_target if t[0] not in (LOGITS, TOKENS)]
 

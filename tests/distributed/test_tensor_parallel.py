@@ -164,3 +164,20 @@ def test_mixture_of_experts_equals_tp1(tiny_model_factory, tmp_path):
                     assert relative_error(o.extras["saves"][key], value) <= TOLERANCE, key
     finally:
         tp2.shutdown()
+
+
+def test_embeddings_equal_tp1_and_transformers(engines):
+    """Embedding requests (a trace of the backbone's output) under TP=2 with chunking and preemption."""
+    from transformers import AutoModel
+
+    _, model_dir, tp1, tp2 = engines
+    backbone = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(17, [40, 3, 25, 11], vocab=500)
+    ref = tp1.embed(prompts, use_tqdm=False)
+    out = tp2.embed(prompts, use_tqdm=False)
+    for ids, r, o in zip(prompts, ref, out):
+        got = torch.tensor(o.outputs.embedding)
+        assert relative_error(got, torch.tensor(r.outputs.embedding)) <= TOLERANCE
+        with torch.no_grad():
+            last = backbone(torch.tensor([ids])).last_hidden_state[0, -1]
+        assert relative_error(got, torch.nn.functional.normalize(last, dim=0)) <= TOLERANCE

@@ -89,6 +89,50 @@ def test_prefix_caching_traced_requests_see_every_token_and_edited_blocks_are_no
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_traced_requests_read_the_prefix_cache_below_their_first_touched_position(make_llm, hf_model, seed):
+    """Cached KV below the first position a trace touches is the model's: the trace reads it, and still
+    sees (and edits) every position it selects; an edit there keeps its blocks out of the cache."""
+    llm = make_llm("llama", block_size=4, enable_prefix_caching=True)
+    prompt = random_prompts(60 + seed, [23])[0]
+    first = int(torch.randint(5, 18, (1,), generator=torch.Generator().manual_seed(seed)))
+    plain = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([prompt], plain, use_tqdm=False)                    # publishes 20 of the 23 tokens
+    reference = hf_forward(hf_model("llama"), prompt)
+
+    with llm.trace([prompt]) as tr:
+        rows = tr.model.layers[1].output.save(positions={"start": first})
+        last = tr.logits.save(positions="last")
+    assert tr.outputs[0].num_cached_tokens == first // 4 * 4
+    assert relative_error(rows[0], reference["layers"][1][first:]) <= TOLERANCE
+    assert relative_error(last[0][0], reference["logits"][-1]) <= TOLERANCE
+
+    with llm.trace([prompt]) as tr:                                   # only the last position: all 20 cached
+        tr.model.layers[0].output.save(positions="last")
+    assert tr.outputs[0].num_cached_tokens == 20
+
+    other = prompt[:first] + random_prompts(70 + seed, [23 - first])[0]
+    vector = torch.full((64,), 3.0)
+    with llm.trace([other]) as tr:                                    # edits from `first` on, reads below it
+        tr.model.layers[0].output.add(vector, positions={"start": first})
+        edited = tr.logits.save(positions="last")
+    assert tr.outputs[0].num_cached_tokens == first // 4 * 4
+    with llm.trace([other]) as tr:                                    # the edit applied; nothing of it cached
+        tr.model.layers[0].output.add(vector, positions={"start": first})
+        again = tr.logits.save(positions="last")
+    assert tr.outputs[0].num_cached_tokens == first // 4 * 4
+    model = hf_model("llama")
+
+    def add_from_first(_module, _args, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        hidden[0, first:] += vector
+    edited_hf = hf_forward(model, other, hooks=[(model.model.layers[0], add_from_first)])
+    assert relative_error(edited[0][0], edited_hf["logits"][-1]) <= TOLERANCE
+    assert relative_error(again[0][0], edited_hf["logits"][-1]) <= TOLERANCE
+    clean = llm.generate([other], plain, use_tqdm=False)[0]
+    assert clean.num_cached_tokens == first // 4 * 4
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_chunked_prefill_and_preemption_give_the_same_saves(make_llm, seed):
     prompts = random_prompts(seed + 40, [37, 29, 18, 33])
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

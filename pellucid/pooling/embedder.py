@@ -1,0 +1,80 @@
+"""Embeddings as traced requests: the frontends' half of `LLM.embed` and `/v1/embeddings`.
+
+An embedding request is an ordinary request that carries a trace saving the backbone's final-normed
+output (the site `model`, or a stage's backbone) at the positions its pooling reads: the last prompt
+token, the first, or every prompt token. It samples one token greedily, which is dropped. The engine
+needs nothing of its own for it: tracing already rides on requests through the request-feature
+interface, and a trace that touches only the last prompt position still reads the prefix cache (the
+engine always computes that position), so embeddings of prompts that share a prefix share its KV.
+
+The pooling itself (mean or pick, truncation, L2 normalisation) runs here, in float32, on the saved rows.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pellucid.pooling.config import PoolerConfig, PoolingParams
+from pellucid.sampling_params import SamplingParams
+from pellucid.tracing.ops import Save
+from pellucid.tracing.plan import TRACE_KEY, TracePlan
+
+POOL_SAVE = "pool.hidden"
+# The one sampled token is dropped: greedy and not detokenized, so it costs the head's one row only.
+EMBED_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+_POSITIONS = {"last": "last", "cls": [0], "mean": None}
+
+
+class Embedder:
+    """One model's pooler, and what turns prompts into embedding requests and their outputs into vectors."""
+
+    def __init__(self, pooler: PoolerConfig, info: Any) -> None:
+        self.pooler = pooler
+        self.hidden_size = int(info.hidden_size)
+        self.max_model_len = int(info.max_model_len)
+        save = Save(site=info.backbone, name=POOL_SAVE, positions=_POSITIONS[pooler.pooling_type], phase="prompt")
+        self.plan = TracePlan([save])
+
+    @classmethod
+    def for_engine(cls, info: Any, override: dict[str, Any] | str | None = None) -> "Embedder":
+        """The pooler of the engine's model directory (see PoolerConfig.for_model); ValueError when the model's
+        pooler cannot be served."""
+        from pellucid.models.loader import read_hf_config
+
+        return cls(PoolerConfig.for_model(info.model, read_hf_config(info.model), override), info)
+
+    def extras(self) -> dict[str, Any]:
+        """Engine request extras of an embedding request."""
+        return {TRACE_KEY: self.plan}
+
+    def check(self, params: PoolingParams) -> int:
+        """The embedding size a request with these params gets; ValueError naming the problem."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling params must be a PoolingParams, got {type(params).__name__}")
+        return self.pooler.output_size(params.dimensions, self.hidden_size)
+
+    def prompt_ids(self, ids: list[int], params: PoolingParams) -> list[int]:
+        """The ids the engine embeds: the last `truncate_prompt_tokens` of them, fitting the engine."""
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the input has {len(ids)} tokens; an embedding input may have at most "
+                             f"{self.max_model_len - 1} (max_model_len - 1): shorten it or set truncate_prompt_tokens")
+        return ids
+
+    def embedding(self, output: Any, params: PoolingParams) -> torch.Tensor:
+        """The float32 embedding of a finished embedding request; RuntimeError if it failed."""
+        if output.error:
+            raise RuntimeError(f"the embedding request failed: {output.error}")
+        saves, positions = output.extras.get("saves") or {}, output.extras.get("save_positions") or {}
+        num_prompt = len(output.prompt_token_ids)
+        expected = {"last": [num_prompt - 1], "cls": [0], "mean": list(range(num_prompt))}[self.pooler.pooling_type]
+        if POOL_SAVE not in saves or positions.get(POOL_SAVE) != expected:
+            raise RuntimeError(f"the embedding request finished with hidden states of positions "
+                               f"{positions.get(POOL_SAVE)} where its pooling needs {expected}")
+        rows = saves[POOL_SAVE].to(device="cpu", dtype=torch.float32)
+        pooled = rows.mean(dim=0) if self.pooler.pooling_type == "mean" else rows[0]
+        pooled = pooled[:self.check(params)]
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        return torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled

@@ -1,0 +1,129 @@
+"""`/v1/embeddings`: OpenAI's embeddings API (and vLLM's extra fields) over the engine's embedding requests
+(pellucid/pooling/embedder.py).
+
+    {"input": "text" | ["text", ...] | [ids] | [[ids], ...], "encoding_format": "float" | "base64",
+     "dimensions": d, "truncate_prompt_tokens": n, "add_special_tokens": true, "normalize": null}
+
+Every input is checked before any is queued; a refused one refuses the request (HTTP 400 naming the field).
+"base64" is the little-endian float32 bytes of each vector, as the openai client decodes them (it asks for
+base64 unless told otherwise).
+"""
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from pellucid.pooling.config import PoolingParams
+from pellucid.pooling.embedder import EMBED_SAMPLING, Embedder
+from pellucid.server.protocol import ProtocolError, _Lenient
+
+
+class EmbeddingRequest(_Lenient):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extras
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+class ServerEmbeddings:
+    """The endpoint's handler; the model's pooler is read on the first request (a generation server whose
+    model directory describes a pooler it cannot run still serves generation)."""
+
+    def __init__(self, server: Any, pooler_override: dict[str, Any] | str | None) -> None:
+        self.server = server
+        self.override = pooler_override
+        self._embedder: Embedder | None = None
+
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            try:
+                self._embedder = Embedder.for_engine(self.server.llm.info, self.override)
+            except ValueError as exc:
+                raise ProtocolError(f"this model cannot serve embeddings: {exc}", param="model") from exc
+        return self._embedder
+
+    async def create(self, request: Request) -> JSONResponse:
+        server = self.server
+        body = await server.parse(request, EmbeddingRequest)
+        server.check_model(body.model)
+        embedder = self.embedder()
+        try:
+            params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+        try:
+            embedder.check(params)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="dimensions") from exc
+        inputs = self.token_ids(body, params)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        streams = await server.add_all(inputs, EMBED_SAMPLING, request_id, "input", extras=embedder.extras())
+        data = []
+        try:
+            for index, stream in enumerate(streams):
+                final = None
+                async for output in stream:
+                    final = output
+                vector = embedder.embedding(final, params).numpy()
+                encoded = (base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+                           if body.encoding_format == "base64" else vector.tolist())
+                data.append(EmbeddingData(index=index, embedding=encoded))
+        finally:
+            for stream in streams:
+                stream.cancel()
+        num_tokens = sum(len(ids) for ids in inputs)
+        response = EmbeddingResponse(id=request_id, created=int(time.time()), model=server.model_name, data=data,
+                                     usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        return JSONResponse(response.model_dump())
+
+    def token_ids(self, body: EmbeddingRequest, params: PoolingParams) -> list[list[int]]:
+        """Each input's token ids, truncated as asked and checked against max_model_len."""
+        raw = body.input
+        if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
+            raw = [raw]
+        if not raw:
+            raise ProtocolError("input must not be empty", param="input")
+        embedder = self.embedder()
+        ids = []
+        for i, item in enumerate(raw):
+            try:
+                if isinstance(item, str):
+                    if not item:
+                        raise ValueError("the input text is empty")
+                    item = list(self.server.tokenizer(item, add_special_tokens=body.add_special_tokens)["input_ids"])
+                ids.append(embedder.prompt_ids(item, params))     # the engine's checks follow in add_all
+            except ValueError as exc:
+                where = "input" if len(raw) == 1 else f"input[{i}]"
+                raise ProtocolError(f"{where}: {exc}", param="input") from exc
+        return ids

@@ -1,0 +1,87 @@
+"""/v1/embeddings through the official openai client, against transformers' backbone."""
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from server_harness import MODEL_NAME, random_prompts
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def backbone(server_model_dir):
+    return AutoModel.from_pretrained(server_model_dir, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(server_model_dir)
+
+
+def expected(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        last = model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(last, dim=0).numpy()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_embeddings_equal_transformers_in_either_encoding(client, backbone, seed):
+    model, tokenizer = backbone
+    texts = random_prompts(seed, 5)
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    as_base64 = client.embeddings.create(model=MODEL_NAME, input=texts)          # the client asks for base64
+    as_floats = client.embeddings.create(model=MODEL_NAME, input=texts, encoding_format="float")
+    for response in (as_base64, as_floats):
+        assert [d.index for d in response.data] == list(range(len(texts)))
+        assert response.usage.prompt_tokens == response.usage.total_tokens == sum(len(i) for i in ids)
+        for row, token_ids in zip(response.data, ids):
+            np.testing.assert_allclose(np.array(row.embedding), expected(model, token_ids), atol=1e-5)
+    assert as_base64.model == MODEL_NAME and as_base64.data[0].object == "embedding"
+
+
+def test_token_id_inputs_and_truncation(client, backbone):
+    model, _ = backbone
+    prompts = [[int(t) for t in torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (3, 17, 40)]
+    single = client.embeddings.create(model=MODEL_NAME, input=prompts[1], encoding_format="float")
+    assert len(single.data) == 1
+    np.testing.assert_allclose(np.array(single.data[0].embedding), expected(model, prompts[1]), atol=1e-5)
+    batch = client.embeddings.create(model=MODEL_NAME, input=prompts, encoding_format="float",
+                                     extra_body={"truncate_prompt_tokens": 10})
+    assert batch.usage.prompt_tokens == 3 + 10 + 10
+    for row, token_ids in zip(batch.data, prompts):
+        np.testing.assert_allclose(np.array(row.embedding), expected(model, token_ids[-10:]), atol=1e-5)
+
+
+def test_raw_base64_is_little_endian_float32(server, backbone):
+    model, tokenizer = backbone
+    reply = httpx.post(f"{server.base_url}/embeddings", json={"input": "one two three", "encoding_format": "base64"},
+                       timeout=60)
+    assert reply.status_code == 200
+    vector = np.frombuffer(base64.b64decode(reply.json()["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vector, expected(model, tokenizer("one two three")["input_ids"]), atol=1e-5)
+
+
+@pytest.mark.parametrize("body,param,status", [
+    ({"input": []}, "input", 400),
+    ({"input": ""}, "input", 400),
+    ({"input": [[]]}, "input", 400),
+    ({"input": [[5, 6], [100000]]}, "input", 400),
+    ({"input": list(range(3, 600))}, "input", 400),
+    ({"input": "hi", "dimensions": 16}, "dimensions", 400),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format", 400),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", 400),
+    ({"input": "hi", "model": "other"}, "model", 404),
+    ({}, "input", 400),
+])
+def test_bad_requests_are_refused_naming_the_field(server, body, param, status):
+    reply = httpx.post(f"{server.base_url}/embeddings", json=body, timeout=60)
+    assert reply.status_code == status, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
