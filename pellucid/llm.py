@@ -157,9 +157,10 @@ class LLM:
         ids = [embedder.prompt_ids(self.input_processor.tokenize(p) if isinstance(p, str) else p, params)
                for p in prompt_list]
         outputs = self.generate(ids, EMBED_SAMPLING, use_tqdm=use_tqdm, extras=[embedder.extras()] * len(ids))
+        vectors = embedder.embeddings(outputs, params)
         return [EmbeddingRequestOutput(out.request_id, prompt if isinstance(prompt, str) else None,
-                                       out.prompt_token_ids, EmbeddingOutput(embedder.embedding(out, params).tolist()))
-                for prompt, out in zip(prompt_list, outputs)]
+                                       out.prompt_token_ids, EmbeddingOutput(vector))
+                for prompt, out, vector in zip(prompt_list, outputs, vectors)]
 
     def trace(self, prompts: PromptType | Sequence[PromptType] | None = None,
               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Any:

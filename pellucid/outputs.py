@@ -45,11 +45,23 @@ class RequestOutput:
 
 @dataclass
 class EmbeddingOutput:
-    embedding: list[float]                    # float32 values, pooled (and normalised) as the model's pooler says
+    """One embedding: `data`, a float32 tensor [size], pooled (and normalised) as the model's pooler says;
+    `embedding`, the same values as a list (vLLM's field), made when first read."""
+
+    data: Any
+
+    @property
+    def embedding(self) -> list[float]:
+        if self._list is None:
+            self._list = self.data.tolist()
+        return self._list
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return int(self.data.shape[0])
+
+    def __post_init__(self) -> None:
+        self._list: list[float] | None = None
 
 
 @dataclass

@@ -63,18 +63,21 @@ class Embedder:
                              f"{self.max_model_len - 1} (max_model_len - 1): shorten it or set truncate_prompt_tokens")
         return ids
 
-    def embedding(self, output: Any, params: PoolingParams) -> torch.Tensor:
-        """The float32 embedding of a finished embedding request; RuntimeError if it failed."""
+    def embeddings(self, outputs: list[Any], params: PoolingParams) -> torch.Tensor:
+        """The float32 embeddings [len(outputs), size] of finished embedding requests, pooled, truncated and
+        normalised together; RuntimeError naming the first that failed."""
+        pooled = torch.stack([self._pooled(output) for output in outputs])[:, :self.check(params)]
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
+
+    def _pooled(self, output: Any) -> torch.Tensor:
         if output.error:
-            raise RuntimeError(f"the embedding request failed: {output.error}")
+            raise RuntimeError(f"the embedding request {output.request_id} failed: {output.error}")
         saves, positions = output.extras.get("saves") or {}, output.extras.get("save_positions") or {}
         num_prompt = len(output.prompt_token_ids)
         expected = {"last": [num_prompt - 1], "cls": [0], "mean": list(range(num_prompt))}[self.pooler.pooling_type]
         if POOL_SAVE not in saves or positions.get(POOL_SAVE) != expected:
-            raise RuntimeError(f"the embedding request finished with hidden states of positions "
+            raise RuntimeError(f"the embedding request {output.request_id} finished with hidden states of positions "
                                f"{positions.get(POOL_SAVE)} where its pooling needs {expected}")
         rows = saves[POOL_SAVE].to(device="cpu", dtype=torch.float32)
-        pooled = rows.mean(dim=0) if self.pooler.pooling_type == "mean" else rows[0]
-        pooled = pooled[:self.check(params)]
-        normalize = self.pooler.normalize if params.normalize is None else params.normalize
-        return torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled
+        return rows.mean(dim=0) if self.pooler.pooling_type == "mean" else rows[0]

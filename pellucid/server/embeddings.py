@@ -89,19 +89,22 @@ class ServerEmbeddings:
         inputs = self.token_ids(body, params)
         request_id = f"embd-{uuid.uuid4().hex}"
         streams = await server.add_all(inputs, EMBED_SAMPLING, request_id, "input", extras=embedder.extras())
-        data = []
+        finals = []
         try:
-            for index, stream in enumerate(streams):
+            for stream in streams:
                 final = None
                 async for output in stream:
                     final = output
-                vector = embedder.embedding(final, params).numpy()
-                encoded = (base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-                           if body.encoding_format == "base64" else vector.tolist())
-                data.append(EmbeddingData(index=index, embedding=encoded))
+                finals.append(final)
         finally:
             for stream in streams:
                 stream.cancel()
+        vectors = embedder.embeddings(finals, params).numpy()
+        if body.encoding_format == "base64":
+            encoded = [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in vectors]
+        else:
+            encoded = vectors.tolist()
+        data = [EmbeddingData(index=index, embedding=row) for index, row in enumerate(encoded)]
         num_tokens = sum(len(ids) for ids in inputs)
         response = EmbeddingResponse(id=request_id, created=int(time.time()), model=server.model_name, data=data,
                                      usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
