@@ -13,7 +13,7 @@ An answer that ends (max_tokens) before `</think>` is all reasoning. Parsers are
 from __future__ import annotations
 
 from pellucid.server.parser_registry import ParserRegistry
-from pellucid.server.tool_calls import held_back
+from pellucid.server.tool_parsers import held_back
 
 
 class ReasoningParser:

@@ -42,7 +42,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="serve tool_choice \"auto\": the model decides whether to call tools, and --tool-call-parser "
                         "finds the calls in its answer (\"required\" and named functions need neither flag)")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS.names(),
-                   help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, Qwen and Hermes models)")
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen, Hermes), mistral "
+                        "([TOOL_CALLS]...), llama3_json (a JSON call, Llama 3.1-3.3), pythonic ([f(x=1)], Llama 3.2 "
+                        "and 4)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS.names(),
                    help="return a thinking model's <think>...</think> in the chat message's `reasoning` field, apart "
                         "from its content (qwen3: when the answer opens with <think>; deepseek_r1: the template "

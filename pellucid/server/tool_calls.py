@@ -2,31 +2,31 @@
 
 - "none": the tools reach the chat template; the answer stays text.
 - "auto" (the server's --enable-auto-tool-choice with a --tool-call-parser): the model decides, and the parser
-  finds its calls in the text ("hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format
-  of Qwen and Hermes models). Text before the first call is the message's content.
+  finds its calls in the text (tool_parsers.py: hermes, mistral, llama3_json, pythonic). Text before the first
+  call is the message's content.
 - "required", or one named function: a structured output holds the answer to the calls' JSON (an array of
   {"name", "parameters"} objects, or the named function's arguments), so the calls are well-formed by
   construction; no parser is needed.
 
-Parsers are registered by name (TOOL_CALL_PARSERS), so a model family's format is a new class here.
+Parsers are registered by name (TOOL_CALL_PARSERS), so a model family's format is a new class in tool_parsers.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from pellucid.logger import get_logger
 from pellucid.sampling_params import SamplingParams
-from pellucid.server.parser_registry import ParserRegistry
 from pellucid.server.protocol import ProtocolError
+from pellucid.server.tool_parsers import TOOL_CALL_PARSERS, ParsedAnswer, ToolCallParser
 from pellucid.structured import StructuredOutputsParams
 
-logger = get_logger(__name__)
+__all__ = ["TOOL_CALL_PARSERS", "ParsedAnswer", "ToolCallParser", "ToolPlan", "ToolCallStream", "plan_tools",
+           "with_tools", "tool_calls_of", "template_messages"]
 
 
 class FunctionCall(BaseModel):
@@ -54,107 +54,6 @@ class DeltaToolCall(BaseModel):
 
 def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
-
-
-@dataclass
-class ParsedAnswer:
-    """An answer split into its text and its calls (name, arguments as JSON text)."""
-    content: str | None
-    calls: list[tuple[str, str]] = field(default_factory=list)
-
-
-class ToolCallParser:
-    """Finds a model's tool calls in its answer. One instance per response (a stream keeps its state here)."""
-
-    name = ""
-
-    def parse(self, text: str) -> ParsedAnswer:
-        raise NotImplementedError
-
-    def stream(self, text: str, finished: bool) -> tuple[str, list[tuple[str, str]]]:
-        """Given the answer so far, the content not sent before and the calls completed since the last call."""
-        raise NotImplementedError
-
-
-TOOL_CALL_PARSERS: ParserRegistry[ToolCallParser] = ParserRegistry("tool-call parser")
-
-
-def _call_from_json(body: str) -> tuple[str, str]:
-    """(name, arguments JSON) of one call written {"name": ..., "arguments": {...}}; ValueError otherwise."""
-    call = json.loads(body)
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        raise ValueError(f"a tool call needs a name: {body!r}")
-    return call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)
-
-
-def held_back(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could begin `tag` (not sent until the next token decides)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
-
-
-class TaggedToolCallParser(ToolCallParser):
-    """Calls written as JSON between a start and an end tag; the last one may lack its end tag (the answer
-    stopped there). If any call is not valid JSON the whole answer stays text, as vLLM does."""
-
-    start_tag = ""
-    end_tag = ""
-
-    def __init__(self) -> None:
-        self._sent = 0           # characters of content sent
-        self._calls_sent = 0     # calls sent
-
-    def _regions(self, text: str, finished: bool) -> list[tuple[str, bool]]:
-        """(body, closed by its end tag) of the complete calls and, once finished, of an unclosed last one."""
-        bodies, position = [], text.find(self.start_tag)
-        while position != -1:
-            begin = position + len(self.start_tag)
-            end = text.find(self.end_tag, begin)
-            if end == -1:
-                if finished:
-                    bodies.append((text[begin:], False))
-                break
-            bodies.append((text[begin:end], True))
-            position = text.find(self.start_tag, end + len(self.end_tag))
-        return bodies
-
-    def parse(self, text: str) -> ParsedAnswer:
-        first = text.find(self.start_tag)
-        if first == -1:
-            return ParsedAnswer(text)
-        try:
-            calls = [_call_from_json(body.strip()) for body, _ in self._regions(text, finished=True)]
-        except ValueError as exc:
-            logger.warning("a tool call in the answer is not valid JSON, so the answer stays text: %s", exc)
-            return ParsedAnswer(text)
-        return ParsedAnswer(text[:first] or None, calls)
-
-    def stream(self, text: str, finished: bool) -> tuple[str, list[tuple[str, str]]]:
-        first = text.find(self.start_tag)
-        if first == -1:
-            sendable = len(text) if finished else len(text) - held_back(text, self.start_tag)
-        else:
-            sendable = first
-        content = text[self._sent:sendable] if sendable > self._sent else ""
-        self._sent = max(self._sent, sendable)
-        regions = self._regions(text, finished) if first != -1 else []
-        calls: list[tuple[str, str]] = []
-        for body, closed in regions[self._calls_sent:]:
-            try:
-                calls.append(_call_from_json(body.strip()))
-            except ValueError:      # sent as text instead: nothing the model wrote is lost
-                content += self.start_tag + body + (self.end_tag if closed else "")
-        self._calls_sent = len(regions)
-        return content, calls
-
-
-@TOOL_CALL_PARSERS.register
-class HermesToolCallParser(TaggedToolCallParser):
-    name = "hermes"
-    start_tag = "<tool_call>"
-    end_tag = "</tool_call>"
 
 
 def _function(tool: Any, index: int) -> dict[str, Any]:

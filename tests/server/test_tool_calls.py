@@ -13,7 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from pellucid.server.protocol import ProtocolError
-from pellucid.server.tool_calls import HermesToolCallParser, plan_tools
+from pellucid.server.tool_calls import plan_tools
+from pellucid.server.tool_parsers import HermesToolCallParser
 from server_harness import MODEL_NAME
 
 # Small definitions: the tiny model's template spells them out in a 512-token context.
