@@ -85,3 +85,58 @@ def test_bad_requests_are_refused_naming_the_field(server, body, param, status):
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def _random_body(rng) -> dict:
+    """Each field absent, valid (mostly) or invalid."""
+    def ids(n):
+        return [rng.randrange(3, 500) for _ in range(n)]
+    fields = {  # field: (valid values, invalid values)
+        "input": (["hello world", ["a b", "c"], ids(rng.randrange(1, 40)), [ids(3), ids(20)]],
+                  ["", [], [[]], ["a b", 5], None, {"text": "a"}, [-1, 2], [10 ** 6], "x" * 3000, list(range(3, 600))]),
+        "encoding_format": (["float", "base64"], ["int8", 3, None]),
+        "dimensions": ([None], [0, 16, 64, 10 ** 9, "8", -1]),
+        "truncate_prompt_tokens": ([None, 1, 5, 200], [0, -3, "x"]),
+        "normalize": ([None, True, False], ["yes", [1]]),
+        "add_special_tokens": ([True, False], [2, "no"]),
+        "model": ([MODEL_NAME, None], ["other", 7]),
+        "user": (["u"], [5]),
+    }
+    body = {}
+    for key, (valid, invalid) in fields.items():
+        roll = rng.random()
+        if key == "input" or roll < 0.5:
+            body[key] = rng.choice(invalid if rng.random() < 0.2 else valid)
+    return body
+
+
+def test_random_requests_never_fail_the_server(server):
+    """Random valid and invalid bodies, some abandoned mid-request: every answer is a 200 or an OpenAI error
+    naming its cause (never a 5xx), and afterwards no request runs and no KV block is held."""
+    import asyncio
+    import random
+
+    from server_harness import wait_until
+    from test_server_load import engine_idle
+
+    rng = random.Random(3)
+    bodies = [_random_body(rng) for _ in range(120)]
+
+    async def run() -> list:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(body: dict, abandon: bool):
+                try:
+                    post = client.post(f"{server.base_url}/embeddings", json=body)
+                    return await (asyncio.wait_for(post, 0.01) if abandon else post)
+                except asyncio.TimeoutError:
+                    return None
+            return await asyncio.gather(*(one(b, i % 7 == 3) for i, b in enumerate(bodies)))
+
+    for body, reply in zip(bodies, asyncio.run(run())):
+        if reply is None:
+            continue
+        assert reply.status_code in (200, 400, 404), (body, reply.text)
+        if reply.status_code != 200:
+            assert reply.json()["error"]["message"], body
+    wait_until(lambda: engine_idle(server), timeout=60)
+    assert httpx.post(f"{server.base_url}/embeddings", json={"input": "still serving"}, timeout=60).status_code == 200
