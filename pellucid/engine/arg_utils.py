@@ -45,7 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / prompt_logprobs alternatives a request may ask for (-1: the vocabulary)")
-    g.add_argument("--head", default="dense", help="LM head: dense, flashhead, or a plugin name")
+    g.add_argument("--head", default="dense",
+                   help="LM head: dense, flashhead, none (no LM head: the engine serves embeddings only), or a "
+                        "plugin name")
     g.add_argument("--head-options", type=json.loads, default=None,
                    help='JSON options for the head, e.g. \'{"probes": 256}\'')
 

@@ -19,7 +19,7 @@ import torch
 import pellucid
 from pellucid.config import EngineConfig, resolve_device
 from pellucid.engine.block_pool import BlockPool
-from pellucid.engine.features import ActiveFeatures, still_unfinished
+from pellucid.engine.features import ActiveFeatures, check_served_without_logits, still_unfinished
 from pellucid.engine.kv_cache_manager import KVCacheManager
 from pellucid.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStats
 from pellucid.engine.request import Request, RequestStatus
@@ -77,6 +77,7 @@ class EngineInfo:
     tensor_parallel_size: int = 1
     max_logprobs: int = 20           # most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary)
     eos_token_ids: tuple[int, ...] = ()   # the ids that end a sequence (their text is not shown)
+    computes_logits: bool = True     # False without an LM head: only requests that discard their tokens
     # The decoder's module path: "model" (model.layers.N), or a stage's (Qwen3-Omni's thinker: "thinker.model").
     backbone: str = "model"
     # The traceable sites (pellucid.tracing.sites.SiteTable). In the engine's own process it is probed on
@@ -196,7 +197,7 @@ class EngineCore:
             attention_backend=self.runner.backend.name, cuda_graphs=self.runner.cuda_graphs is not None,
             lm_head=self.runner.head.describe(), tensor_parallel_size=config.parallel.tensor_parallel_size,
             max_logprobs=config.model.max_logprobs, backbone=getattr(self.model, "backbone_path", "model"),
-            eos_token_ids=tuple(sorted(self.eos_token_ids)))
+            eos_token_ids=tuple(sorted(self.eos_token_ids)), computes_logits=self.runner.head.computes_logits)
         if probe_sites:
             info._site_table = site_table(self.runner)
         else:
@@ -224,6 +225,7 @@ class EngineCore:
                              "fans n > 1 out")
         self.check_prompt_ids(request.prompt_token_ids)
         check_sampling_token_ids(params, self.runner.head.vocab_size)
+        check_served_without_logits(request.extras, self.runner.head.computes_logits)
         missing = [key for key in getattr(self.model, "required_extras", ()) if key not in (request.extras or {})]
         if missing:
             raise ValueError(f"{type(self.model).__name__} serves requests carrying {', '.join(missing)} only (a "

@@ -10,6 +10,8 @@ Each feature declares, through one interface, what the engine needs to know of i
   output (`EngineFeature.after_step`), including outputs that are only ready later (a Future: the
   engine holds the request's final report until it is done);
 - what it costs in prefix caching (`prepare` sets the request's read/publish policy);
+- whether its requests read their sampled tokens (`discards_tokens`: an engine without an LM head serves
+  only requests that do not);
 - how its outputs are cut when the frontend ends a request early at a stop string (`trim_outputs`);
 - engine-side utilities the frontends may call (`EngineFeature.utilities`);
 - under tensor parallelism, what the model runners of the other ranks need of it (`for_ranks`, `on_rank`).
@@ -70,6 +72,9 @@ class RequestFeature:
     publishes_outputs: bool = False
     # Features' engine hooks run in increasing order (one may consume what another published).
     order: int = 0
+    # Requests carrying the feature never read their sampled tokens (embeddings): an engine without an LM head
+    # (heads/none.py) serves them, and only them.
+    discards_tokens: bool = False
 
     def check(self, value: Any, prompt_token_ids: list[int], params: Any, max_total_tokens: int,
               engine_info: Any) -> Any:
@@ -121,10 +126,19 @@ def _load_builtin_and_plugins() -> None:
     import pellucid.engine.cache_salt  # noqa: F401
     import pellucid.extraction.sink  # noqa: F401
     import pellucid.pipeline.stage_features  # noqa: F401
+    import pellucid.pooling.feature  # noqa: F401
     import pellucid.tracing.feature  # noqa: F401
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _FEATURES:
             register_feature(ep.load()())
+
+
+def check_served_without_logits(extras: dict[str, Any] | None, computes_logits: bool) -> None:
+    """ValueError unless an engine whose head `computes_logits` (or not) can serve a request with `extras`."""
+    if computes_logits or any(get_feature(key).discards_tokens for key in (extras or {})):
+        return
+    raise ValueError("this engine has no LM head (an embedding checkpoint without one, or --head none): it serves "
+                     "embeddings only (LLM.embed, /v1/embeddings), not generation, logprobs or logits")
 
 
 def get_feature(key: str) -> RequestFeature:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pellucid.engine.engine_core import EngineInfo, check_prompt_ids, check_sampling_token_ids
-from pellucid.engine.features import get_feature
+from pellucid.engine.features import check_served_without_logits, get_feature
 from pellucid.engine.messages import EngineCoreRequest
 from pellucid.sampling_params import SamplingParams
 
@@ -83,6 +83,7 @@ class InputProcessor:
             params.structured_outputs.check()
         ids = self.prompt_ids(prompt)
         max_total = _max_total_tokens(len(ids), params.max_tokens, self.info.max_model_len)
+        check_served_without_logits(extras, self.info.computes_logits)
         checked: dict[str, Any] = {}
         for key, value in (extras or {}).items():
             try:

@@ -25,6 +25,8 @@ class LMHead(ABC):
     name: str = ""
     # Whether the head works on a vocabulary-parallel weight (tensor parallelism: `vocab_shard` given).
     supports_tensor_parallel = False
+    # False for a head without logits (heads/none.py): its engine serves requests that discard their tokens only.
+    computes_logits = True
 
     def __init__(self, weight: torch.Tensor, options: dict[str, Any], model_dir: str | None = None,
                  vocab_shard: Shard | None = None) -> None:

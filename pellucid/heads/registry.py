@@ -9,11 +9,12 @@ import torch
 from pellucid.distributed.parallel_state import Shard
 from pellucid.heads.base import LMHead
 from pellucid.heads.dense import DenseHead
+from pellucid.heads.none import NoHead
 from pellucid.logger import get_logger
 
 logger = get_logger(__name__)
 
-_HEADS: dict[str, type[LMHead]] = {"dense": DenseHead}
+_HEADS: dict[str, type[LMHead]] = {"dense": DenseHead, "none": NoHead}
 ENTRY_POINT_GROUP = "pellucid.heads"
 
 

@@ -244,7 +244,7 @@ class Lfm2ForCausalLM(nn.Module):
 
     @property
     def tie_word_embeddings(self) -> bool:
-        return self.lm_head.weight is self.model.embed_tokens.weight
+        return self.lm_head is not None and self.lm_head.weight is self.model.embed_tokens.weight
 
     @property
     def num_attention_layers(self) -> int:

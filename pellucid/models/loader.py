@@ -131,13 +131,16 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"checkpoint in {model_dir} has tensors the model does not use (config mismatch?): "
                          f"{_first(unexpected)}")
     missing = sorted(name for name, param in params.items() if filled[name] < param.numel())
+    if bare and missing == ["lm_head.weight"]:
+        # The backbone alone with an untied config (Qwen3-Embedding-8B ships so): an embedding model, served
+        # without an LM head (heads/none.py), which refuses every request that would read its tokens.
+        model.lm_head = None
+        logger.warning("%s holds the backbone alone and its config does not tie the LM head to the input "
+                       "embeddings: there is no LM head, so the engine serves embeddings only", model_dir)
+        missing = []
     if missing:
         partial = [f"{n} ({filled[n]} of {params[n].numel()} elements)" if filled[n] else n for n in missing]
-        why = ""
-        if bare and missing == ["lm_head.weight"]:
-            why = (" (the checkpoint holds the backbone alone, as an embedding model's does, and its config does "
-                   "not tie the LM head to the input embeddings, so there is no LM head to load)")
-        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(partial)}{why}")
+        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(partial)}")
 
 
 def _bare_backbone_prefix(model: nn.Module, model_dir: str, params: dict[str, nn.Parameter]) -> str:

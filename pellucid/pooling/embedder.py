@@ -4,7 +4,7 @@ An embedding request is an ordinary request that carries a trace saving the back
 output (the site `model`, or a stage's backbone) at the positions its pooling reads: the last prompt
 token, the first, or every prompt token. It samples one token greedily, which is dropped. The engine
 needs nothing of its own for it: tracing already rides on requests through the request-feature
-interface, and a trace that touches only the last prompt position still reads the prefix cache (the
+interface (beside the `pool` marker, which only declares that the sampled token is not read), and a trace that touches only the last prompt position still reads the prefix cache (the
 engine always computes that position), so embeddings of prompts that share a prefix share its KV.
 
 The pooling itself (mean or pick, truncation, L2 normalisation) runs here, in float32, on the saved rows.
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pellucid.pooling.config import PoolerConfig, PoolingParams
+from pellucid.pooling.feature import POOL_KEY
 from pellucid.sampling_params import SamplingParams
 from pellucid.tracing.ops import Save
 from pellucid.tracing.plan import TRACE_KEY, TracePlan
@@ -45,8 +46,9 @@ class Embedder:
         return cls(PoolerConfig.for_model(info.model, read_hf_config(info.model), override), info)
 
     def extras(self) -> dict[str, Any]:
-        """Engine request extras of an embedding request."""
-        return {TRACE_KEY: self.plan}
+        """Engine request extras of an embedding request: the trace, and the marker that says its token is not
+        read (pooling/feature.py), so that an engine without an LM head serves it."""
+        return {TRACE_KEY: self.plan, POOL_KEY: self.pooler.pooling_type}
 
     def check(self, params: PoolingParams) -> int:
         """The embedding size a request with these params gets; ValueError naming the problem."""

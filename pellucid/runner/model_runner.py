@@ -102,9 +102,14 @@ class ModelRunner:
         self.backend = backend_cls(model.num_attention_heads, model.num_kv_heads, model.head_dim, dtype, device)
         # A model whose sampling is its own (Qwen3-Omni's talker: a frame of codes per row) makes its head.
         make_head = getattr(model, "make_lm_head", None)
-        self.head = make_head(config.head.name) if make_head is not None else \
-            build_head(config.head.name, model.lm_head.weight, config.head.options, config.model.model,
-                       vocab_shard=getattr(model.lm_head, "vocab_shard", None))
+        if make_head is not None:
+            self.head = make_head(config.head.name)
+        elif model.lm_head is None:     # a checkpoint without one (models/loader.py): the head that has none
+            self.head = build_head("none", torch.empty(model.config.vocab_size, model.config.hidden_size,
+                                                       device="meta"), {})
+        else:
+            self.head = build_head(config.head.name, model.lm_head.weight, config.head.options, config.model.model,
+                                   vocab_shard=getattr(model.lm_head, "vocab_shard", None))
         self.sampler = Sampler()
         self.buffers = StepBuffers(max_num_batched_tokens, self.max_num_reqs,
                                    math.ceil(max_model_len / self.block_size), device)
@@ -236,7 +241,8 @@ class ModelRunner:
         extras = self.state_pool.scratch_extras(len(lengths)) if self.state_pool is not None else None
         hidden = self._forward(build_step_batch(so, self.buffers, bs), extras)
         rows = min(self.max_num_reqs, hidden.shape[0])
-        self.head.compute_logits(hidden[:rows]).softmax(dim=-1).sort(dim=-1)
+        if self.head.computes_logits:
+            self.head.compute_logits(hidden[:rows]).softmax(dim=-1).sort(dim=-1)
         self.kv_caches = saved
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

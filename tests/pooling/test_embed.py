@@ -169,8 +169,8 @@ def test_truncation_keeps_the_last_tokens_and_long_inputs_are_refused(tiny_model
 
 
 def test_text_prompts_and_backbone_only_checkpoints(tiny_model_factory, backbone, tmp_path):
-    """An embedding model published as transformers' backbone alone (tensors without the `model.` prefix,
-    tied head) loads; an untied one without its head is refused by name."""
+    """An embedding model published as transformers' backbone alone (tensors without the `model.` prefix)
+    loads, with its tied head."""
     from transformers import AutoModel, AutoTokenizer
 
     source = tiny_model_factory("qwen3", tie_word_embeddings=True)
@@ -178,6 +178,7 @@ def test_text_prompts_and_backbone_only_checkpoints(tiny_model_factory, backbone
     AutoModel.from_pretrained(source, dtype=torch.float32).save_pretrained(bare)
     AutoTokenizer.from_pretrained(source).save_pretrained(bare)
     llm = LLM(bare, dtype="float32", device="cpu", num_kv_blocks=64)
+    assert llm.info.lm_head["name"] == "dense"
     texts = ["a short text", "another, somewhat longer text to embed"]
     tokenizer = AutoTokenizer.from_pretrained(bare)
     for text, out in zip(texts, llm.embed(texts, use_tqdm=False)):
@@ -185,11 +186,41 @@ def test_text_prompts_and_backbone_only_checkpoints(tiny_model_factory, backbone
         assert out.prompt == text and out.prompt_token_ids == ids
         assert_close(torch.tensor(out.outputs.embedding), reference(backbone(source), ids, "last", True))
 
-    untied = str(tmp_path / "untied")
-    AutoModel.from_pretrained(tiny_model_factory("qwen3"), dtype=torch.float32).save_pretrained(untied)
-    with open(os.path.join(untied, "config.json")) as f:
-        config = json.load(f)
-    with open(os.path.join(untied, "config.json"), "w") as f:
-        json.dump({**config, "tie_word_embeddings": False}, f)
-    with pytest.raises(ValueError, match="backbone alone"):
-        LLM(untied, dtype="float32", device="cpu", num_kv_blocks=64)
+
+@pytest.mark.parametrize("how", ["headless checkpoint", "--head none"])
+def test_engines_without_an_lm_head_serve_embeddings_only(tiny_model_factory, backbone, tmp_path, how):
+    """A backbone-only checkpoint whose config does not tie the head (Qwen3-Embedding-8B ships so) has no LM
+    head; `head="none"` drops a model's. Either engine embeds as transformers does and refuses, by name,
+    every request that would read a token or logits."""
+    from pellucid import SamplingParams
+    from pellucid.engine.messages import EngineCoreRequest
+    from pellucid.tracing import Save, TracePlan
+    from transformers import AutoModel
+
+    source = tiny_model_factory("qwen3")
+    if how == "headless checkpoint":
+        model_dir = str(tmp_path / "untied")
+        AutoModel.from_pretrained(source, dtype=torch.float32).save_pretrained(model_dir)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump({**config, "tie_word_embeddings": False}, f)
+        shutil.copy(os.path.join(source, "tokenizer.json"), model_dir)
+        shutil.copy(os.path.join(source, "tokenizer_config.json"), model_dir)
+        llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+    else:
+        llm = LLM(source, dtype="float32", device="cpu", num_kv_blocks=64, head="none")
+    assert llm.info.lm_head["name"] == "none" and not llm.info.computes_logits
+    prompts = random_prompts(15, [6, 31, 12])
+    for ids, got in zip(prompts, embeddings(llm.embed(prompts, use_tqdm=False))):
+        assert_close(got, reference(backbone(source), ids, "last", True))
+    with pytest.raises(ValueError, match="no LM head"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=3), use_tqdm=False)
+    with pytest.raises(ValueError, match="no LM head"):
+        llm.generate(prompts[:1], use_tqdm=False, extras=[{"trace": TracePlan([Save(site="model")])}])
+    with pytest.raises(ValueError, match="embeddings only"):     # the engine refuses what a frontend let by
+        llm.engine.add_request(EngineCoreRequest("x", [5, 6], SamplingParams(max_tokens=1), 0.0, False, None))
+    with pytest.raises(ValueError, match="one greedy token that nobody reads"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False,
+                     extras=[{"trace": TracePlan([Save(site="model")]), "pool": "last"}])
+    assert len(embeddings(llm.embed(prompts[:1], use_tqdm=False))) == 1      # still serving

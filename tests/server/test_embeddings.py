@@ -140,3 +140,29 @@ def test_random_requests_never_fail_the_server(server):
             assert reply.json()["error"]["message"], body
     wait_until(lambda: engine_idle(server), timeout=60)
     assert httpx.post(f"{server.base_url}/embeddings", json={"input": "still serving"}, timeout=60).status_code == 200
+
+
+def test_a_server_without_an_lm_head_embeds_and_refuses_generation(server_model_dir, backbone):
+    """`--head none` (as for a headless embedding checkpoint): /v1/embeddings serves, the generation
+    endpoints answer 400 naming why."""
+    from pellucid.engine.async_llm import AsyncLLM
+    from pellucid.server.app import build_app
+    from server_harness import ENGINE_KWARGS, run_app_in_thread
+
+    llm = AsyncLLM(server_model_dir, served_model_name=MODEL_NAME, engine_process=False, head="none", **ENGINE_KWARGS)
+    url, uvicorn_server, thread = run_app_in_thread(build_app(llm, MODEL_NAME))
+    try:
+        model, tokenizer = backbone
+        reply = httpx.post(f"{url}/v1/embeddings", json={"input": "one two", "encoding_format": "float"}, timeout=60)
+        assert reply.status_code == 200
+        np.testing.assert_allclose(np.array(reply.json()["data"][0]["embedding"]),
+                                   expected(model, tokenizer("one two")["input_ids"]), atol=1e-5)
+        for path, body in (("completions", {"prompt": "hi", "max_tokens": 2}),
+                           ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            refused = httpx.post(f"{url}/v1/{path}", json=body, timeout=60)
+            assert refused.status_code == 400 and "no LM head" in refused.json()["error"]["message"]
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["pellucid"]["lm_head"]["name"] == "none"
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(30)
+        llm.shutdown()
