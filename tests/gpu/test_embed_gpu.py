@@ -1,5 +1,5 @@
 """Embeddings on the GPU against transformers on the CPU: float32 within 1e-4, bf16 with CUDA graphs and
-async scheduling by cosine; a dense and a mixture-of-experts model. Tiny random models; skipped without CUDA."""
+async scheduling by cosine; a dense and a mixture-of-experts model, and an engine without an LM head. Tiny random models; skipped without CUDA."""
 from __future__ import annotations
 
 import pytest
@@ -19,14 +19,15 @@ def _reference(model_dir: str, prompts: list[list[int]]) -> list[torch.Tensor]:
                 for p in prompts]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("arch,head", [("qwen3", "dense"), ("qwen3-moe", "dense"), ("qwen3", "none")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_embeddings_equal_transformers(tiny_model_factory, arch, dtype):
+def test_gpu_embeddings_equal_transformers(tiny_model_factory, arch, head, dtype):
     from pellucid import LLM
 
     model_dir = tiny_model_factory(arch, num_hidden_layers=2)
     prompts = random_prompts(3, [5, 60, 17, 33, 2, 90, 41, 8])
-    llm = LLM(model_dir, device="cuda", dtype=dtype, max_model_len=256, num_kv_blocks=512, max_num_batched_tokens=64)
+    llm = LLM(model_dir, device="cuda", dtype=dtype, max_model_len=256, num_kv_blocks=512, max_num_batched_tokens=64,
+              head=head)
     assert llm.engine.async_scheduling
     got = [torch.tensor(out.outputs.embedding) for out in llm.embed(prompts, use_tqdm=False)]
     for actual, expected in zip(got, _reference(model_dir, prompts)):
