@@ -4,6 +4,9 @@
     {"input": "text" | ["text", ...] | [ids] | [[ids], ...], "encoding_format": "float" | "base64",
      "dimensions": d, "truncate_prompt_tokens": n, "add_special_tokens": true, "normalize": null}
 
+or, vLLM's chat form, `"messages": [...]` instead of `input` (one embedding of the conversation as the chat
+template renders it; `add_generation_prompt` false by default, `continue_final_message`, `chat_template_kwargs`).
+
 Every input is checked before any is queued; a refused one refuses the request (HTTP 400 naming the field).
 "base64" is the little-endian float32 bytes of each vector, as the openai client decodes them (it asks for
 base64 unless told otherwise).
@@ -21,19 +24,23 @@ from pydantic import BaseModel
 
 from pellucid.pooling.config import PoolingParams
 from pellucid.pooling.embedder import EMBED_SAMPLING, Embedder
-from pellucid.server.protocol import ProtocolError, _Lenient
+from pellucid.server.protocol import ChatMessage, ProtocolError, _Lenient
 
 
 class EmbeddingRequest(_Lenient):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None     # vLLM's chat form: one input, the rendered conversation
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     # vLLM's extras
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None      # default: True for input, False for messages (the template's)
     normalize: bool | None = None
+    add_generation_prompt: bool = False          # with messages
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class EmbeddingData(BaseModel):
@@ -112,6 +119,20 @@ class ServerEmbeddings:
 
     def token_ids(self, body: EmbeddingRequest, params: PoolingParams) -> list[list[int]]:
         """Each input's token ids, truncated as asked and checked against max_model_len."""
+        if (body.input is None) == (body.messages is None):
+            raise ProtocolError("give exactly one of input or messages", param="input")
+        if body.messages is not None:
+            if body.add_special_tokens:
+                raise ProtocolError("add_special_tokens is not supported with messages (the chat template decides "
+                                    "the special tokens)", param="add_special_tokens")
+            if body.add_generation_prompt and body.continue_final_message:
+                raise ProtocolError("add_generation_prompt and continue_final_message exclude each other",
+                                    param="continue_final_message")
+            ids = self.server.chat_prompt(body, body.messages, continue_final=body.continue_final_message)
+            try:
+                return [self.embedder().prompt_ids(ids, params)]
+            except ValueError as exc:
+                raise ProtocolError(f"messages: {exc}", param="messages") from exc
         raw = body.input
         if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
             raw = [raw]
@@ -124,7 +145,8 @@ class ServerEmbeddings:
                 if isinstance(item, str):
                     if not item:
                         raise ValueError("the input text is empty")
-                    item = list(self.server.tokenizer(item, add_special_tokens=body.add_special_tokens)["input_ids"])
+                    add_special = True if body.add_special_tokens is None else body.add_special_tokens
+                    item = list(self.server.tokenizer(item, add_special_tokens=add_special)["input_ids"])
                 ids.append(embedder.prompt_ids(item, params))     # the engine's checks follow in add_all
             except ValueError as exc:
                 where = "input" if len(raw) == 1 else f"input[{i}]"

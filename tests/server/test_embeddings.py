@@ -166,3 +166,22 @@ def test_a_server_without_an_lm_head_embeds_and_refuses_generation(server_model_
         uvicorn_server.should_exit = True
         thread.join(30)
         llm.shutdown()
+
+
+def test_chat_messages_embed_the_rendered_conversation(server, backbone):
+    model, tokenizer = backbone
+    messages = [{"role": "system", "content": "Represent the query."}, {"role": "user", "content": "cat on a mat"}]
+    for extra, generation in (({}, False), ({"add_generation_prompt": True}, True)):
+        reply = httpx.post(f"{server.base_url}/embeddings", timeout=60,
+                           json={"messages": messages, "encoding_format": "float", **extra})
+        assert reply.status_code == 200, reply.text
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
+        ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+        assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(np.array(reply.json()["data"][0]["embedding"]), expected(model, ids), atol=1e-5)
+    for body, param in (({"messages": messages, "input": "x"}, "input"),
+                        ({"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
+                        ({"messages": []}, "messages"),
+                        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role")):
+        refused = httpx.post(f"{server.base_url}/embeddings", json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
