@@ -34,7 +34,7 @@ from pellucid.pipeline.chunks import ChunkReceiver, ChunkSender
 from pellucid.pipeline.connectors import ChunkKey, ConnectorSpec, Notice, open_connector
 from pellucid.runner.cuda_graphs import require_eager_for_extras_key
 from pellucid.runner.sampler import host_to_device
-from pellucid.runner.step_hooks import StepHook
+from pellucid.runner.step_hooks import StepHook, copy_to_host
 
 logger = get_logger(__name__)
 
@@ -184,7 +184,7 @@ class _OutputHook(StepHook):
         rows = [row for piece in pieces for row in range(piece[2].start, piece[2].stop)]
         # Pinned and queued: a pageable copy would wait for the step's kernels here.
         index = host_to_device(rows, torch.int64, next(iter(outputs.values())).device)
-        host = {name: _to_host(value.index_select(0, index)) for name, value in outputs.items()}
+        host = {name: copy_to_host(value.index_select(0, index)) for name, value in outputs.items()}
         return pieces, host
 
     def after_readback(self, handle: Any) -> None:
@@ -203,13 +203,6 @@ class _OutputHook(StepHook):
             if isinstance(state, _OutputState):
                 for sender in state.senders:
                     sender.add(first, payload)
-
-
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu":
-        return x.clone()
-    host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
-    return host.copy_(x, non_blocking=True)
 
 
 # ---- stage_input ------------------------------------------------------------------------------------
@@ -302,7 +295,7 @@ class _InputHook(StepHook):
         codes = getattr(sampled, "extra_token_ids", None) if sampled is not None else None
         if codes is None:
             return None
-        return list(batch.sample_requests), _to_host(codes)
+        return list(batch.sample_requests), copy_to_host(codes)
 
     def after_readback(self, handle: Any) -> None:
         if handle is None:

@@ -1,11 +1,12 @@
-"""Embeddings as traced requests: the frontends' half of `LLM.embed` and `/v1/embeddings`.
+"""Embedding requests: the frontends' half of `LLM.embed` and `/v1/embeddings`.
 
-An embedding request is an ordinary request that carries a trace saving the backbone's final-normed
-output (the site `model`, or a stage's backbone) at the positions its pooling reads: the last prompt
-token, the first, or every prompt token. It samples one token greedily, which is dropped. The engine
-needs nothing of its own for it: tracing already rides on requests through the request-feature
-interface (beside the `pool` marker, which only declares that the sampled token is not read), and a trace that touches only the last prompt position still reads the prefix cache (the
-engine always computes that position), so embeddings of prompts that share a prefix share its KV.
+An embedding request is an ordinary request that samples one greedy token, which is dropped, and carries
+the pooling feature (pooling/feature.py). With last-token pooling the feature hands back the hidden state
+of the row the request samples from (the backbone's final-normed output at the last prompt position: the
+LM head's input), so the request reads the prefix cache like any other, and embeddings of prompts that
+share a prefix (an instruction) share its KV. Mean and first-token pooling read positions the head never
+sees: their requests also carry a trace that saves the backbone's output (the site `model`, or a stage's
+backbone) there, and compute every prompt position.
 
 The pooling itself (mean or pick, truncation, L2 normalisation) runs here, in float32, on the saved rows.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from pellucid.pooling.config import PoolerConfig, PoolingParams
-from pellucid.pooling.feature import POOL_KEY
+from pellucid.pooling.feature import POOL_KEY, POOLED_HIDDEN
 from pellucid.sampling_params import SamplingParams
 from pellucid.tracing.ops import Save
 from pellucid.tracing.plan import TRACE_KEY, TracePlan
@@ -34,8 +35,9 @@ class Embedder:
         self.pooler = pooler
         self.hidden_size = int(info.hidden_size)
         self.max_model_len = int(info.max_model_len)
-        save = Save(site=info.backbone, name=POOL_SAVE, positions=_POSITIONS[pooler.pooling_type], phase="prompt")
-        self.plan = TracePlan([save])
+        # Last-token pooling reads the LM head's input rows (pooling/feature.py); the others trace the backbone.
+        self.plan = None if pooler.pooling_type == "last" else TracePlan(
+            [Save(site=info.backbone, name=POOL_SAVE, positions=_POSITIONS[pooler.pooling_type], phase="prompt")])
 
     @classmethod
     def for_engine(cls, info: Any, override: dict[str, Any] | str | None = None) -> "Embedder":
@@ -46,9 +48,12 @@ class Embedder:
         return cls(PoolerConfig.for_model(info.model, read_hf_config(info.model), override), info)
 
     def extras(self) -> dict[str, Any]:
-        """Engine request extras of an embedding request: the trace, and the marker that says its token is not
-        read (pooling/feature.py), so that an engine without an LM head serves it."""
-        return {TRACE_KEY: self.plan, POOL_KEY: self.pooler.pooling_type}
+        """Engine request extras of an embedding request: the pooling feature (pooling/feature.py), and for
+        mean and first-token pooling the trace that saves the positions they read."""
+        extras: dict[str, Any] = {POOL_KEY: self.pooler.pooling_type}
+        if self.plan is not None:
+            extras[TRACE_KEY] = self.plan
+        return extras
 
     def check(self, params: PoolingParams) -> int:
         """The embedding size a request with these params gets; ValueError naming the problem."""
@@ -75,6 +80,11 @@ class Embedder:
     def _pooled(self, output: Any) -> torch.Tensor:
         if output.error:
             raise RuntimeError(f"the embedding request {output.request_id} failed: {output.error}")
+        if self.plan is None:
+            row = output.extras.get(POOLED_HIDDEN)
+            if row is None:
+                raise RuntimeError(f"the embedding request {output.request_id} finished without its hidden state")
+            return row.to(device="cpu", dtype=torch.float32)
         saves, positions = output.extras.get("saves") or {}, output.extras.get("save_positions") or {}
         num_prompt = len(output.prompt_token_ids)
         expected = {"last": [num_prompt - 1], "cls": [0], "mean": list(range(num_prompt))}[self.pooler.pooling_type]

@@ -18,6 +18,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+
+def copy_to_host(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of `x` that outlives the step: on CUDA pinned and queued (read it after the step's
+    readback, in after_readback), on the CPU a clone."""
+    if x.device.type == "cpu":
+        return x.clone()
+    host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+    return host.copy_(x, non_blocking=True)
+
 
 class StepHook:
     def before_forward(self, so: Any, batch: Any) -> dict[str, Any] | None:
