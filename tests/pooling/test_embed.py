@@ -224,3 +224,42 @@ def test_engines_without_an_lm_head_serve_embeddings_only(tiny_model_factory, ba
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False,
                      extras=[{"trace": TracePlan([Save(site="model")]), "pool": "last"}])
     assert len(embeddings(llm.embed(prompts[:1], use_tqdm=False))) == 1      # still serving
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_embeddings_beside_generation_with_steps_launched_ahead(tiny_model_factory, backbone, seed):
+    """Embedding requests (last and mean pooling) join a batch of generation requests that step ahead of
+    their readback: each embedding equals transformers', and every generation equals its run alone."""
+    from pellucid import SamplingParams
+    from pellucid.pooling.embedder import EMBED_SAMPLING, Embedder
+
+    model_dir = tiny_model_factory("qwen3")
+    kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=256, block_size=4, max_num_batched_tokens=40,
+                  async_scheduling=True)
+    llm = LLM(model_dir, **kwargs)
+    gen_prompts = random_prompts(80 + seed, [9, 23, 4])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [out.outputs[0].token_ids for out in LLM(model_dir, **kwargs).generate(gen_prompts, params, use_tqdm=False)]
+    embed_prompts = random_prompts(90 + seed, [31, 7, 18, 2])
+    embedders = {p: Embedder.for_engine(llm.info, {"pooling_type": p}) for p in ("last", "mean")}
+    for i, prompt in enumerate(gen_prompts):
+        llm.add_request(f"gen{i}", prompt, params)
+    finished = {}
+    for step in range(200):
+        if step in (1, 3):          # embeddings arrive while the generations decode, ahead of their readback
+            for i, prompt in enumerate(embed_prompts):
+                pooling = "last" if (i + step) % 2 else "mean"
+                llm.add_request(f"emb{step}-{i}-{pooling}", prompt, EMBED_SAMPLING, extras=embedders[pooling].extras())
+        for out in llm.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if not llm.has_unfinished_requests() and step > 3:
+            break
+    assert llm.engine.num_steps_ahead > 0
+    assert [finished[f"gen{i}"].outputs[0].token_ids for i in range(len(gen_prompts))] == alone
+    for rid, out in finished.items():
+        if rid.startswith("emb"):
+            pooling = rid.rsplit("-", 1)[1]
+            got = embedders[pooling].embeddings([out], PoolingParams())[0]
+            assert_close(got, reference(backbone(model_dir), out.prompt_token_ids, pooling, True))
+    assert sum(rid.startswith("emb") for rid in finished) == 2 * len(embed_prompts)
