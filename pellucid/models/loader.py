@@ -92,7 +92,8 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     bare = _bare_backbone_prefix(model, model_dir, params) if prefixes is None else ""
     with torch.no_grad():
         for path, name, stored in _iter_checkpoint(model_dir, prefixes):
-            name = bare + name
+            if bare and name not in params:
+                name = bare + name
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
                 continue
             target = resolve(name) if resolve is not None else None

@@ -29,6 +29,7 @@ from pellucid.outputs import RequestOutput
 from pellucid.pooling.config import PoolerConfig
 from pellucid.sampling_params import SamplingParams
 from pellucid.server.embeddings import ServerEmbeddings
+from pellucid.server.scores import ServerScores
 from pellucid.server.disconnect import ClientDisconnected, until_disconnect
 from pellucid.server.metrics import RequestTimer, ServerMetrics, log_stats_periodically
 from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -111,6 +112,7 @@ class OpenAIServer:
         self.metrics.set_lm_head(self.lm_head)
         self.extraction = ServerExtraction(llm, extract_dir)   # the extract_hidden_states field
         self.embeddings = ServerEmbeddings(self, pooler_config)  # /v1/embeddings
+        self.scores = ServerScores(self)                         # /v1/score, /v1/rerank (over the embeddings)
         self.ignored_fields: set[str] = set()    # request fields this server does not know, warned about once each
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -523,6 +525,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     protected.add_api_route("/v1/completions", _guarded(server, server.completions), methods=["POST"])
     protected.add_api_route("/v1/chat/completions", _guarded(server, server.chat_completions), methods=["POST"])
     protected.add_api_route("/v1/embeddings", _guarded(server, server.embeddings.create), methods=["POST"])
+    for path in ("/score", "/v1/score"):          # vLLM's paths
+        protected.add_api_route(path, _guarded(server, server.scores.score), methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        protected.add_api_route(path, _guarded(server, server.scores.rerank), methods=["POST"])
     protected.add_api_route("/tokenize", _guarded(server, server.tokenize), methods=["POST"])
     protected.add_api_route("/detokenize", _guarded(server, server.detokenize), methods=["POST"])
     protected.add_api_route("/v1/models", _guarded(server, lambda _request: server.models()), methods=["GET"])

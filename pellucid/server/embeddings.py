@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -95,7 +96,23 @@ class ServerEmbeddings:
             raise ProtocolError(str(exc), param="dimensions") from exc
         inputs = self.token_ids(body, params)
         request_id = f"embd-{uuid.uuid4().hex}"
-        streams = await server.add_all(inputs, EMBED_SAMPLING, request_id, "input", extras=embedder.extras())
+        vectors = (await self.embed(inputs, params, request_id, "input")).numpy()
+        if body.encoding_format == "base64":
+            encoded = [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in vectors]
+        else:
+            encoded = vectors.tolist()
+        data = [EmbeddingData(index=index, embedding=row) for index, row in enumerate(encoded)]
+        num_tokens = sum(len(ids) for ids in inputs)
+        response = EmbeddingResponse(id=request_id, created=int(time.time()), model=server.model_name, data=data,
+                                     usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        return JSONResponse(response.model_dump())
+
+    async def embed(self, inputs: list[list[int]], params: PoolingParams, request_id: str,
+                    param: str) -> torch.Tensor:
+        """The float32 embeddings [len(inputs), size] of token id lists, all queued before any is read (a
+        refused one refuses them all: ProtocolError naming `param`)."""
+        embedder = self.embedder()
+        streams = await self.server.add_all(inputs, EMBED_SAMPLING, request_id, param, extras=embedder.extras())
         finals = []
         try:
             for stream in streams:
@@ -106,16 +123,22 @@ class ServerEmbeddings:
         finally:
             for stream in streams:
                 stream.cancel()
-        vectors = embedder.embeddings(finals, params).numpy()
-        if body.encoding_format == "base64":
-            encoded = [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in vectors]
-        else:
-            encoded = vectors.tolist()
-        data = [EmbeddingData(index=index, embedding=row) for index, row in enumerate(encoded)]
-        num_tokens = sum(len(ids) for ids in inputs)
-        response = EmbeddingResponse(id=request_id, created=int(time.time()), model=server.model_name, data=data,
-                                     usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
-        return JSONResponse(response.model_dump())
+        return embedder.embeddings(finals, params)
+
+    def text_ids(self, texts: list[str], params: PoolingParams, param: str, add_special_tokens: bool = True
+                 ) -> list[list[int]]:
+        """Each text's token ids, truncated as asked and checked against max_model_len; ProtocolError naming
+        `param` (and the text's index) otherwise."""
+        ids = []
+        for i, text in enumerate(texts):
+            try:
+                if not text:
+                    raise ValueError("the text is empty")
+                tokens = list(self.server.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+                ids.append(self.embedder().prompt_ids(tokens, params))
+            except ValueError as exc:
+                raise ProtocolError(f"{param}[{i}]: {exc}", param=param) from exc
+        return ids
 
     def token_ids(self, body: EmbeddingRequest, params: PoolingParams) -> list[list[int]]:
         """Each input's token ids, truncated as asked and checked against max_model_len."""
@@ -138,17 +161,13 @@ class ServerEmbeddings:
             raw = [raw]
         if not raw:
             raise ProtocolError("input must not be empty", param="input")
-        embedder = self.embedder()
+        if isinstance(raw[0], str):
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            return self.text_ids(raw, params, "input", add_special)       # type: ignore[arg-type]
         ids = []
         for i, item in enumerate(raw):
             try:
-                if isinstance(item, str):
-                    if not item:
-                        raise ValueError("the input text is empty")
-                    add_special = True if body.add_special_tokens is None else body.add_special_tokens
-                    item = list(self.server.tokenizer(item, add_special_tokens=add_special)["input_ids"])
-                ids.append(embedder.prompt_ids(item, params))     # the engine's checks follow in add_all
+                ids.append(self.embedder().prompt_ids(item, params))     # the engine's checks follow in add_all
             except ValueError as exc:
-                where = "input" if len(raw) == 1 else f"input[{i}]"
-                raise ProtocolError(f"{where}: {exc}", param="input") from exc
+                raise ProtocolError(f"input[{i}]: {exc}", param="input") from exc
         return ids

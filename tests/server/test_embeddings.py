@@ -185,3 +185,37 @@ def test_chat_messages_embed_the_rendered_conversation(server, backbone):
                         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role")):
         refused = httpx.post(f"{server.base_url}/embeddings", json=body, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+
+
+def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(server, backbone):
+    model, tokenizer = backbone
+    texts = ["the cat sat", "a quick brown fox", "hello world", "the mat"]
+
+    def vector(text):
+        return expected(model, tokenizer(text)["input_ids"])
+
+    one = httpx.post(f"{server.url}/v1/score", json={"text_1": texts[0], "text_2": texts}, timeout=60).json()
+    assert [d["index"] for d in one["data"]] == list(range(len(texts)))
+    np.testing.assert_allclose([d["score"] for d in one["data"]], [vector(texts[0]) @ vector(t) for t in texts],
+                               atol=1e-5)
+    assert abs(one["data"][0]["score"] - 1.0) < 1e-5
+    pairwise = httpx.post(f"{server.url}/score", json={"text_1": texts[:2], "text_2": texts[2:]}, timeout=60).json()
+    np.testing.assert_allclose([d["score"] for d in pairwise["data"]],
+                               [vector(texts[0]) @ vector(texts[2]), vector(texts[1]) @ vector(texts[3])], atol=1e-5)
+    documents = texts[1:] + [{"text": "cat"}]
+    reply = httpx.post(f"{server.url}/v1/rerank", json={"query": texts[0], "documents": documents, "top_n": 3},
+                       timeout=60).json()
+    plain = [d if isinstance(d, str) else d["text"] for d in documents]
+    scores = [float(vector(texts[0]) @ vector(d)) for d in plain]
+    best = sorted(range(len(plain)), key=lambda i: -scores[i])[:3]
+    assert [r["index"] for r in reply["results"]] == best
+    assert [r["document"]["text"] for r in reply["results"]] == [plain[i] for i in best]
+    np.testing.assert_allclose([r["relevance_score"] for r in reply["results"]], [scores[i] for i in best], atol=1e-5)
+    for path, body, param in (("score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+                              ("score", {"text_1": [], "text_2": "x"}, "text_1"),
+                              ("score", {"text_1": "a", "text_2": ["b", ""]}, "text_2"),
+                              ("rerank", {"query": "q", "documents": []}, "documents"),
+                              ("rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+                              ("rerank", {"query": "", "documents": ["a"]}, "query")):
+        refused = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (body, refused.text)
