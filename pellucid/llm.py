@@ -18,7 +18,8 @@ from pellucid.engine.engine_core import EngineCore, EngineInfo
 from pellucid.engine.input_processor import InputProcessor, ProcessedRequest, send
 from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
-from pellucid.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pellucid.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
 from pellucid.pooling.config import PoolerConfig, PoolingParams
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import apply_chat_template, load_tokenizer
@@ -161,6 +162,20 @@ class LLM:
         return [EmbeddingRequestOutput(out.request_id, prompt if isinstance(prompt, str) else None,
                                        out.prompt_token_ids, EmbeddingOutput(vector))
                 for prompt, out, vector in zip(prompt_list, outputs, vectors)]
+
+    def score(self, text_1: str | list[str], text_2: str | list[str], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's `score` for embedding models: the cosine similarity of text_1's and each text_2's embeddings
+        (one text_1 against every text_2, or text_1[i] against text_2[i]), in text_2's order."""
+        from pellucid.pooling.scoring import cosine_scores, pair_up
+
+        pairs = pair_up(text_1, text_2)
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        outputs = self.embed(texts, PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens),
+                             use_tqdm=use_tqdm)
+        vectors = {text: out.outputs.data for text, out in zip(texts, outputs)}
+        return [ScoringRequestOutput(f"score-{i}", ScoringOutput(value))
+                for i, value in enumerate(cosine_scores(pairs, vectors))]
 
     def trace(self, prompts: PromptType | Sequence[PromptType] | None = None,
               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Any:

@@ -73,3 +73,17 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result per pair, shaped like vLLM's (output.outputs.score)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    finished: bool = True

@@ -14,12 +14,12 @@ import time
 import uuid
 from typing import Any
 
-import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from pellucid.pooling.config import PoolingParams
+from pellucid.pooling.scoring import cosine_scores, pair_up
 from pellucid.server.protocol import ProtocolError, _Lenient
 
 
@@ -83,14 +83,10 @@ class ServerScores:
     async def score(self, request: Request) -> JSONResponse:
         body = await self.server.parse(request, ScoreRequest)
         self.server.check_model(body.model)
-        first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
-        second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
-        if not first or not second:
-            raise ProtocolError("text_1 and text_2 must not be empty", param="text_1" if not first else "text_2")
-        if len(first) != 1 and len(first) != len(second):
-            raise ProtocolError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as "
-                                f"many as text_2", param="text_1")
-        pairs = [(first[0] if len(first) == 1 else first[i], text) for i, text in enumerate(second)]
+        try:
+            pairs = pair_up(body.text_1, body.text_2)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
         request_id = f"score-{uuid.uuid4().hex}"
         scores, num_tokens = await self._cosines(pairs, body.truncate_prompt_tokens, request_id,
                                                  ("text_1", "text_2"))
@@ -129,8 +125,6 @@ class ServerScores:
         right = list(dict.fromkeys(b for _, b in pairs))
         ids = embeddings.text_ids(left, pooling, params[0]) + embeddings.text_ids(right, pooling, params[1])
         vectors = await embeddings.embed(ids, pooling, request_id, params[1])
-        row = {("l", text): i for i, text in enumerate(left)}
-        row.update({("r", text): len(left) + i for i, text in enumerate(right)})
-        a = torch.stack([vectors[row[("l", x)]] for x, _ in pairs])
-        b = torch.stack([vectors[row[("r", y)]] for _, y in pairs])
-        return (a * b).sum(dim=1).tolist(), sum(len(i) for i in ids)
+        keyed = {("l", text): vectors[i] for i, text in enumerate(left)}
+        keyed.update({("r", text): vectors[len(left) + i] for i, text in enumerate(right)})
+        return cosine_scores([(("l", a), ("r", b)) for a, b in pairs], keyed), sum(len(i) for i in ids)

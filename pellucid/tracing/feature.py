@@ -37,7 +37,7 @@ class Tracing(RequestFeature):
         plan = TracePlan.from_extras(value)
         if not plan.ops:
             raise ValueError("the trace has no ops")
-        plan.bind(len(prompt_token_ids), max_total_tokens, "check", engine_info.site_table)
+        plan.resolve(len(prompt_token_ids), max_total_tokens, engine_info.site_table)
         return plan
 
     def trim_outputs(self, outputs: dict[str, Any], num_tokens: int) -> None:

@@ -90,21 +90,8 @@ class TracePlan:
         plan._init_state(list(self.ops), self.keep_saves_on_device, dict(self.save_names))
         plan.bound = True
         plan.request_id = request_id
-        limit = max_total_tokens - 1          # the last sampled token is never fed back
-        plan.limit = limit
-        for i, op in enumerate(self.ops):
-            try:
-                site = table.check(op)
-                selected = op.selector.resolve(prompt_len, limit)
-            except ValueError as exc:
-                raise ValueError(f"trace op {i} ({op.kind} at {op.target}): {exc}") from exc
-            if selected.size == 0:
-                raise ValueError(f"trace op {i} ({op.describe()}) selects no position of this request "
-                                 f"({prompt_len} prompt tokens, positions 0..{limit - 1} computed)")
-            try:
-                op.check_fits(site.shape, int(selected.size))
-            except ValueError as exc:
-                raise ValueError(f"trace op {i} ({op.describe()}): {exc}") from exc
+        plan.limit = max_total_tokens - 1     # the last sampled token is never fed back
+        for i, (op, (selected, site)) in enumerate(zip(self.ops, self.resolve(prompt_len, max_total_tokens, table))):
             plan.selected.append(selected)
             plan.sites.append(site)
             plan.by_target.setdefault((op.site, op.point), []).append(i)
@@ -119,6 +106,27 @@ class TracePlan:
     def first_position(self) -> int:
         """The first position any op of this bound plan touches."""
         return min(int(selected[0]) for selected in self.selected)
+
+    def resolve(self, prompt_len: int, max_total_tokens: int, table: Any) -> list[tuple[np.ndarray, Any]]:
+        """Per op, the positions it selects in a request of this shape and its site, checked against the site
+        table (ValueError naming the op otherwise). A frontend checks a request with this alone."""
+        limit = max_total_tokens - 1
+        resolved = []
+        for i, op in enumerate(self.ops):
+            try:
+                site = table.check(op)
+                selected = op.selector.resolve(prompt_len, limit)
+            except ValueError as exc:
+                raise ValueError(f"trace op {i} ({op.kind} at {op.target}): {exc}") from exc
+            if selected.size == 0:
+                raise ValueError(f"trace op {i} ({op.describe()}) selects no position of this request "
+                                 f"({prompt_len} prompt tokens, positions 0..{limit - 1} computed)")
+            try:
+                op.check_fits(site.shape, int(selected.size))
+            except ValueError as exc:
+                raise ValueError(f"trace op {i} ({op.describe()}): {exc}") from exc
+            resolved.append((selected, site))
+        return resolved
 
     def module_targets(self) -> list[tuple[str, str]]:
         return [t for t in self.by_target if t[0] not in (LOGITS, TOKENS)]

@@ -263,3 +263,22 @@ def test_embeddings_beside_generation_with_steps_launched_ahead(tiny_model_facto
             got = embedders[pooling].embeddings([out], PoolingParams())[0]
             assert_close(got, reference(backbone(model_dir), out.prompt_token_ids, pooling, True))
     assert sum(rid.startswith("emb") for rid in finished) == 2 * len(embed_prompts)
+
+
+def test_score_is_the_cosine_of_the_embeddings(tiny_model_factory, backbone):
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_model_factory("qwen3")
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=128)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["one small text", "another text here", "a third", "one small text"]
+
+    def vector(text):
+        return reference(backbone(model_dir), tokenizer(text)["input_ids"], "last", True)
+    against_one = [out.outputs.score for out in llm.score(texts[0], texts, use_tqdm=False)]
+    assert against_one == pytest.approx([float(vector(texts[0]) @ vector(t)) for t in texts], abs=1e-5)
+    pairwise = [out.outputs.score for out in llm.score(texts[:2], texts[2:], use_tqdm=False)]
+    assert pairwise == pytest.approx([float(vector(texts[0]) @ vector(texts[2])),
+                                      float(vector(texts[1]) @ vector(texts[3]))], abs=1e-5)
+    with pytest.raises(ValueError, match="give one text_1"):
+        llm.score(texts[:2], texts[:3])
