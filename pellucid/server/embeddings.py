@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from pellucid.pooling.config import PoolingParams
 from pellucid.pooling.embedder import EMBED_SAMPLING, Embedder
+from pellucid.server.metrics import RequestTimer
 from pellucid.server.protocol import ChatMessage, ProtocolError, _Lenient
 
 
@@ -83,6 +84,7 @@ class ServerEmbeddings:
 
     async def create(self, request: Request) -> JSONResponse:
         server = self.server
+        timer = RequestTimer(server.metrics)
         body = await server.parse(request, EmbeddingRequest)
         server.check_model(body.model)
         embedder = self.embedder()
@@ -105,6 +107,7 @@ class ServerEmbeddings:
         num_tokens = sum(len(ids) for ids in inputs)
         response = EmbeddingResponse(id=request_id, created=int(time.time()), model=server.model_name, data=data,
                                      usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        timer.finish("stop")        # /metrics: the request's latency and success, as a completion's
         return JSONResponse(response.model_dump())
 
     async def embed(self, inputs: list[list[int]], params: PoolingParams, request_id: str,

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from pellucid.pooling.config import PoolingParams
 from pellucid.pooling.scoring import cosine_scores, pair_up
+from pellucid.server.metrics import RequestTimer
 from pellucid.server.protocol import ProtocolError, _Lenient
 
 
@@ -81,6 +82,7 @@ class ServerScores:
         self.server = server
 
     async def score(self, request: Request) -> JSONResponse:
+        timer = RequestTimer(self.server.metrics)
         body = await self.server.parse(request, ScoreRequest)
         self.server.check_model(body.model)
         try:
@@ -93,9 +95,11 @@ class ServerScores:
         response = ScoreResponse(id=request_id, created=int(time.time()), model=self.server.model_name,
                                  data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                                  usage=ScoreUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+        timer.finish("stop")
         return JSONResponse(response.model_dump())
 
     async def rerank(self, request: Request) -> JSONResponse:
+        timer = RequestTimer(self.server.metrics)
         body = await self.server.parse(request, RerankRequest)
         self.server.check_model(body.model)
         if not body.documents:
@@ -111,6 +115,7 @@ class ServerScores:
                                 relevance_score=scores[i]) for i in order]
         response = RerankResponse(id=request_id, model=self.server.model_name, results=results,
                                   usage={"total_tokens": num_tokens})
+        timer.finish("stop")
         return JSONResponse(response.model_dump())
 
     async def _cosines(self, pairs: list[tuple[str, str]], truncate: int | None, request_id: str,

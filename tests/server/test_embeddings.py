@@ -61,11 +61,13 @@ def test_token_id_inputs_and_truncation(client, backbone):
 
 def test_raw_base64_is_little_endian_float32(server, backbone):
     model, tokenizer = backbone
+    finished = server.metric('pellucid:e2e_request_latency_seconds_count')
     reply = httpx.post(f"{server.base_url}/embeddings", json={"input": "one two three", "encoding_format": "base64"},
                        timeout=60)
     assert reply.status_code == 200
     vector = np.frombuffer(base64.b64decode(reply.json()["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(vector, expected(model, tokenizer("one two three")["input_ids"]), atol=1e-5)
+    assert server.metric('pellucid:e2e_request_latency_seconds_count') == finished + 1
 
 
 @pytest.mark.parametrize("body,param,status", [
