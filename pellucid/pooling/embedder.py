@@ -25,7 +25,7 @@ from pellucid.tracing.plan import TRACE_KEY, TracePlan
 POOL_SAVE = "pool.hidden"
 # The one sampled token is dropped: greedy and not detokenized, so it costs the head's one row only.
 EMBED_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-_POSITIONS = {"last": "last", "cls": [0], "mean": None}
+_TRACED_POSITIONS = {"cls": [0], "mean": None}      # what the traced poolings save (None: every prompt position)
 
 
 class Embedder:
@@ -37,7 +37,7 @@ class Embedder:
         self.max_model_len = int(info.max_model_len)
         # Last-token pooling reads the LM head's input rows (pooling/feature.py); the others trace the backbone.
         self.plan = None if pooler.pooling_type == "last" else TracePlan(
-            [Save(site=info.backbone, name=POOL_SAVE, positions=_POSITIONS[pooler.pooling_type], phase="prompt")])
+            [Save(site=info.backbone, name=POOL_SAVE, positions=_TRACED_POSITIONS[pooler.pooling_type], phase="prompt")])
 
     @classmethod
     def for_engine(cls, info: Any, override: dict[str, Any] | str | None = None) -> "Embedder":
@@ -87,7 +87,7 @@ class Embedder:
             return row.to(device="cpu", dtype=torch.float32)
         saves, positions = output.extras.get("saves") or {}, output.extras.get("save_positions") or {}
         num_prompt = len(output.prompt_token_ids)
-        expected = {"last": [num_prompt - 1], "cls": [0], "mean": list(range(num_prompt))}[self.pooler.pooling_type]
+        expected = [0] if self.pooler.pooling_type == "cls" else list(range(num_prompt))
         if POOL_SAVE not in saves or positions.get(POOL_SAVE) != expected:
             raise RuntimeError(f"the embedding request {output.request_id} finished with hidden states of positions "
                                f"{positions.get(POOL_SAVE)} where its pooling needs {expected}")
