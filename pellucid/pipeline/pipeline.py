@@ -112,7 +112,7 @@ class Pipeline:
         self.tokenizer = load_tokenizer(tokenizer or model)
         info = self.clients[self.first].info
         self.input_processor = InputProcessor(self.tokenizer, info)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, info.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.num_relayed = 0
         self.num_discarded = 0

@@ -196,3 +196,20 @@ def test_a_notice_never_delivered_is_an_error_not_a_hang(omni_dir) -> None:
         assert_everything_freed(omni)
     assert "stalled" in outputs["r0"].error and "code2wav" in outputs["r0"].error
     assert outputs["r1"].error is None and outputs["r2"].error is None
+
+
+def test_the_end_of_text_is_not_shown(omni_dir) -> None:
+    """A text that ends at the thinker's EOS does not show it, even with special tokens kept (as LLM does)."""
+    with make_omni(omni_dir, 7) as omni:
+        eos = sorted(omni.pipeline.clients[omni.pipeline.first].info.eos_token_ids)[0]
+        prompt = apply_chat_template(omni.tokenizer, CONVERSATIONS[0])
+        params = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[eos], skip_special_tokens=False)
+        omni.add_request("eos", prompt, params, None)
+        done = {}
+        while omni.has_unfinished_requests():
+            for out in omni.step():
+                done[out.request_id] = out
+        out = done["eos"]
+        assert out.error is None and out.token_ids == [eos] and out.finish_reason == "stop"
+        assert out.text == ""
+        assert_everything_freed(omni)
