@@ -1,14 +1,9 @@
 """Embedding requests: the frontends' half of `LLM.embed` and `/v1/embeddings`.
 
 An embedding request is an ordinary request that samples one greedy token, which is dropped, and carries
-the pooling feature (pooling/feature.py). With last-token pooling the feature hands back the hidden state
-of the row the request samples from (the backbone's final-normed output at the last prompt position: the
-LM head's input), so the request reads the prefix cache like any other, and embeddings of prompts that
-share a prefix (an instruction) share its KV. Mean and first-token pooling read positions the head never
-sees: their requests also carry a trace that saves the backbone's output (the site `model`, or a stage's
-backbone) there, and compute every prompt position.
-
-The pooling itself (mean or pick, truncation, L2 normalisation) runs here, in float32, on the saved rows.
+the pooling feature (pooling/feature.py), which hands back the pooled hidden state (the backbone's
+final-normed output: the last prompt position's, the first's, or the mean over the prompt). What is left
+for the frontend (truncation, L2 normalisation) runs here, in float32.
 """
 from __future__ import annotations
 
@@ -19,13 +14,9 @@ import torch
 from pellucid.pooling.config import PoolerConfig, PoolingParams
 from pellucid.pooling.feature import POOL_KEY, POOLED_HIDDEN
 from pellucid.sampling_params import SamplingParams
-from pellucid.tracing.ops import Save
-from pellucid.tracing.plan import TRACE_KEY, TracePlan
 
-POOL_SAVE = "pool.hidden"
 # The one sampled token is dropped: greedy and not detokenized, so it costs the head's one row only.
 EMBED_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-_TRACED_POSITIONS = {"cls": [0], "mean": None}      # what the traced poolings save (None: every prompt position)
 
 
 class Embedder:
@@ -35,9 +26,6 @@ class Embedder:
         self.pooler = pooler
         self.hidden_size = int(info.hidden_size)
         self.max_model_len = int(info.max_model_len)
-        # Last-token pooling reads the LM head's input rows (pooling/feature.py); the others trace the backbone.
-        self.plan = None if pooler.pooling_type == "last" else TracePlan(
-            [Save(site=info.backbone, name=POOL_SAVE, positions=_TRACED_POSITIONS[pooler.pooling_type], phase="prompt")])
 
     @classmethod
     def for_engine(cls, info: Any, override: dict[str, Any] | str | None = None) -> "Embedder":
@@ -48,12 +36,8 @@ class Embedder:
         return cls(PoolerConfig.for_model(info.model, read_hf_config(info.model), override), info)
 
     def extras(self) -> dict[str, Any]:
-        """Engine request extras of an embedding request: the pooling feature (pooling/feature.py), and for
-        mean and first-token pooling the trace that saves the positions they read."""
-        extras: dict[str, Any] = {POOL_KEY: self.pooler.pooling_type}
-        if self.plan is not None:
-            extras[TRACE_KEY] = self.plan
-        return extras
+        """Engine request extras of an embedding request."""
+        return {POOL_KEY: self.pooler.pooling_type}
 
     def check(self, params: PoolingParams) -> int:
         """The embedding size a request with these params gets; ValueError naming the problem."""
@@ -80,16 +64,7 @@ class Embedder:
     def _pooled(self, output: Any) -> torch.Tensor:
         if output.error:
             raise RuntimeError(f"the embedding request {output.request_id} failed: {output.error}")
-        if self.plan is None:
-            row = output.extras.get(POOLED_HIDDEN)
-            if row is None:
-                raise RuntimeError(f"the embedding request {output.request_id} finished without its hidden state")
-            return row.to(device="cpu", dtype=torch.float32)
-        saves, positions = output.extras.get("saves") or {}, output.extras.get("save_positions") or {}
-        num_prompt = len(output.prompt_token_ids)
-        expected = [0] if self.pooler.pooling_type == "cls" else list(range(num_prompt))
-        if POOL_SAVE not in saves or positions.get(POOL_SAVE) != expected:
-            raise RuntimeError(f"the embedding request {output.request_id} finished with hidden states of positions "
-                               f"{positions.get(POOL_SAVE)} where its pooling needs {expected}")
-        rows = saves[POOL_SAVE].to(device="cpu", dtype=torch.float32)
-        return rows.mean(dim=0) if self.pooler.pooling_type == "mean" else rows[0]
+        pooled = output.extras.get(POOLED_HIDDEN)
+        if pooled is None:
+            raise RuntimeError(f"the embedding request {output.request_id} finished without its pooled hidden state")
+        return pooled.to(device="cpu", dtype=torch.float32)

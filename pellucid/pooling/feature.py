@@ -4,11 +4,15 @@ The feature declares that its requests never read their sampled token (`discards
 without an LM head (heads/none.py) serves them, and it holds a request to what an embedding request is: one
 greedy token, no logprobs, no constraints.
 
-Last-token pooling needs no trace: the hidden state of the row a request samples from, at its last prompt
-position, is the LM head's input, which the runner already has. While such requests run, a step hook
-(runner/step_hooks.py) copies those rows to the host with the step's tokens, and the request's final output
-carries its row as `pooled_hidden` (model dtype, [hidden]). Mean and first-token pooling read positions the
-head never sees: their requests carry a trace beside the marker (pellucid/pooling/embedder.py).
+While such requests run, a step hook (runner/step_hooks.py) reads the backbone's final-normed output of each
+step (the rows the LM head reads from) and copies what each request's pooling needs to the host with the
+step's tokens:
+- "last": the row of its last prompt position, the one it samples from;
+- "cls": the row of position 0;
+- "mean": the float32 sum of its rows in this step (its prompt may span several chunks), added up on the host.
+The request's final output carries the pooled vector as `pooled_hidden` ([hidden]; the mean in float32, a
+picked row in the model's dtype). "last" requests read the prefix cache like any other (the last position is
+always computed); "mean" and "cls" requests compute every prompt position themselves.
 """
 from __future__ import annotations
 
@@ -33,8 +37,7 @@ class PoolingMarker(RequestFeature):
 
     def check(self, value: Any, prompt_token_ids: list[int], params: Any, max_total_tokens: int,
               engine_info: Any) -> Any:
-        if value not in POOLING_TYPES:
-            raise ValueError(f"extras['pool'] must be one of {', '.join(POOLING_TYPES)}, got {value!r}")
+        _check_kind(value)
         if (params.n != 1 or params.max_tokens != 1 or params.logprobs is not None or params.prompt_logprobs is not None
                 or params.structured_outputs is not None or params.logit_bias or params.allowed_token_ids):
             raise ValueError("an embedding request samples one greedy token that nobody reads: n=1, max_tokens=1, "
@@ -45,26 +48,43 @@ class PoolingMarker(RequestFeature):
         return EnginePooling(engine.runner)
 
 
-class _LastRow:
-    """A last-token request's state: its sampled row's hidden state, once read back."""
+def _check_kind(value: Any) -> None:
+    if value not in POOLING_TYPES:
+        raise ValueError(f"extras['pool'] must be one of {', '.join(POOLING_TYPES)}, got {value!r}")
 
-    __slots__ = ("hidden",)
 
-    def __init__(self) -> None:
-        self.hidden: torch.Tensor | None = None
+class _Pooled:
+    """One request's pooling state: the picked row, or the running sum and count of its rows."""
+
+    __slots__ = ("kind", "row", "total", "count")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.restart()
+
+    def restart(self) -> None:
+        """Its prompt is computed from position 0 (again, after a preemption)."""
+        self.row: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+        self.count = 0
+
+    def result(self, num_prompt_tokens: int) -> torch.Tensor | None:
+        if self.kind != "mean":
+            return self.row
+        return self.total / self.count if self.count == num_prompt_tokens and self.total is not None else None
 
 
 class EnginePooling(EngineFeature):
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.hook = _LastRowHook()
+        self.hook = _PoolingHook()
 
     def prepare(self, request: Any) -> None:
-        value = request.extras[POOL_KEY]
-        if value not in POOLING_TYPES:
-            raise ValueError(f"extras['pool'] must be one of {', '.join(POOLING_TYPES)}, got {value!r}")
-        if value == "last":
-            request.extras[POOL_KEY] = _LastRow()
+        kind = request.extras[POOL_KEY]
+        _check_kind(kind)
+        request.extras[POOL_KEY] = _Pooled(kind)
+        if kind != "last":
+            request.read_prefix_cache = False       # every prompt position is read, so computed here
 
     def set_active(self, active: bool) -> None:
         if active:
@@ -75,39 +95,57 @@ class EnginePooling(EngineFeature):
     def after_step(self, changed: list[Any]) -> None:
         for request in changed:
             state = request.extras.get(POOL_KEY) if request.extras else None
-            if request.is_finished and isinstance(state, _LastRow) and state.hidden is not None:
+            if not (request.is_finished and isinstance(state, _Pooled)):
+                continue
+            pooled = state.result(request.num_prompt_tokens)
+            if pooled is not None:
                 if request.feature_outputs is None:
                     request.feature_outputs = {}
-                request.feature_outputs[POOLED_HIDDEN] = state.hidden
+                request.feature_outputs[POOLED_HIDDEN] = pooled
 
 
-class _LastRowHook(StepHook):
-    """Copies the hidden state of each last-token request's row at its last prompt position to the host."""
+class _PoolingHook(StepHook):
+    """Per step: the rows each pooling request needs, gathered on the device and copied to the host."""
 
     def after_sampling(self, so: Any, batch: Any, hidden: Any, sampled: Any) -> Any:
-        wanted: list[tuple[int, _LastRow]] = []      # (sampling row, the request's state)
-        row = 0
-        for request, samples, computed, count in zip(so.requests, so.samples, so.num_computed_tokens,
-                                                     so.num_scheduled_tokens):
-            if not samples:
-                continue
+        picked: list[tuple[int, _Pooled]] = []           # (row, state): "last" and "cls"
+        summed: list[tuple[int, int, _Pooled]] = []      # (first row, rows, state): "mean"
+        start = 0
+        for request, computed, count in zip(so.requests, so.num_computed_tokens, so.num_scheduled_tokens):
             state = request.extras.get(POOL_KEY) if request.extras else None
-            if isinstance(state, _LastRow) and state.hidden is None and computed + count == request.num_prompt_tokens:
-                wanted.append((row, state))
-            row += 1
-        if not wanted:
+            if isinstance(state, _Pooled):
+                if computed == 0:
+                    state.restart()
+                if state.kind == "mean":
+                    summed.append((start, count, state))
+                elif state.kind == "cls" and computed == 0:
+                    picked.append((start, state))
+                elif state.kind == "last" and computed + count == request.num_prompt_tokens:
+                    picked.append((start + count - 1, state))
+            start += count
+        if not picked and not summed:
             return None
-        rows = batch.sample_rows
-        if len(wanted) != len(batch.sample_requests):
-            rows = rows.index_select(0, host_to_device([r for r, _ in wanted], torch.int64, rows.device))
-        return [state for _, state in wanted], copy_to_host(hidden.index_select(0, rows))
+        rows = host_to_device([row for row, _ in picked], torch.int64, hidden.device) if picked else None
+        picked_rows = copy_to_host(hidden.index_select(0, rows)) if rows is not None else None
+        sums = None
+        if summed:
+            flat = [row for first, count, _ in summed for row in range(first, first + count)]
+            segment = [k for k, (_, count, _) in enumerate(summed) for _ in range(count)]
+            index = host_to_device(flat, torch.int64, hidden.device)
+            segments = host_to_device(segment, torch.int64, hidden.device)
+            totals = torch.zeros(len(summed), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            sums = copy_to_host(totals.index_add_(0, segments, hidden.index_select(0, index).float()))
+        return picked, picked_rows, summed, sums
 
     def after_readback(self, handle: Any) -> None:
         if handle is None:
             return
-        states, host = handle
-        for state, values in zip(states, host):
-            state.hidden = values
+        picked, picked_rows, summed, sums = handle
+        for (_, state), row in zip(picked, picked_rows if picked_rows is not None else []):
+            state.row = row
+        for (_, count, state), total in zip(summed, sums if sums is not None else []):
+            state.total = total if state.total is None else state.total + total
+            state.count += count
 
 
 register_feature(PoolingMarker())

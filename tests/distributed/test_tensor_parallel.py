@@ -167,8 +167,11 @@ def test_mixture_of_experts_equals_tp1(tiny_model_factory, tmp_path):
 
 
 def test_embeddings_equal_tp1_and_transformers(engines):
-    """Embedding requests (a trace of the backbone's output) under TP=2 with chunking and preemption."""
+    """Embedding requests under TP=2 with chunking and preemption: last-token and mean pooling."""
     from transformers import AutoModel
+
+    from pellucid import PoolingParams
+    from pellucid.pooling.embedder import EMBED_SAMPLING, Embedder
 
     _, model_dir, tp1, tp2 = engines
     backbone = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -181,3 +184,10 @@ def test_embeddings_equal_tp1_and_transformers(engines):
         with torch.no_grad():
             last = backbone(torch.tensor([ids])).last_hidden_state[0, -1]
         assert relative_error(got, torch.nn.functional.normalize(last, dim=0)) <= TOLERANCE
+    # Mean pooling reads every prompt position, across the chunks and recomputes of this small engine.
+    mean = Embedder.for_engine(tp2.info, {"pooling_type": "mean"})
+    outs = tp2.generate(prompts, EMBED_SAMPLING, use_tqdm=False, extras=[mean.extras()] * len(prompts))
+    for ids, got in zip(prompts, mean.embeddings(outs, PoolingParams())):
+        with torch.no_grad():
+            average = backbone(torch.tensor([ids])).last_hidden_state[0].mean(dim=0)
+        assert relative_error(got, torch.nn.functional.normalize(average, dim=0)) <= TOLERANCE

@@ -67,19 +67,20 @@ def with_sentence_transformers_files(src: str, dst: str, mode: str, normalize: b
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "lfm2"])
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_last_token_embeddings_equal_transformers_under_chunking_and_preemption(tiny_model_factory, backbone,
-                                                                                 arch, seed):
+def test_embeddings_equal_transformers_under_chunking_and_preemption(tiny_model_factory, backbone, arch, pooling,
+                                                                     seed):
     model_dir = tiny_model_factory(arch)
     lengths = torch.randint(2, 90, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
     prompts = random_prompts(seed, lengths)
     # A small token budget splits prompts over steps; few KV blocks make requests wait and be preempted.
     llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=24, block_size=4, max_num_batched_tokens=48,
-              max_num_seqs=4, enable_prefix_caching=arch != "lfm2")
+              max_num_seqs=4, enable_prefix_caching=arch != "lfm2", pooler_config={"pooling_type": pooling})
     outputs = llm.embed(prompts, use_tqdm=False)
     assert [out.prompt_token_ids for out in outputs] == prompts
     for ids, got in zip(prompts, embeddings(outputs)):
-        assert_close(got, reference(backbone(model_dir), ids, "last", normalize=True))
+        assert_close(got, reference(backbone(model_dir), ids, pooling, normalize=True))
         assert abs(got.norm().item() - 1.0) < 1e-5
 
 
@@ -229,33 +230,36 @@ def test_engines_without_an_lm_head_serve_embeddings_only(tiny_model_factory, ba
 @pytest.mark.parametrize("seed", [0, 1])
 def test_embeddings_beside_generation_with_steps_launched_ahead(tiny_model_factory, backbone, seed):
     """Embedding requests (last and mean pooling) join a batch of generation requests that step ahead of
-    their readback: each embedding equals transformers', and every generation equals its run alone."""
+    their readback, in a KV pool small enough that requests are preempted and recomputed: each embedding
+    equals transformers', and every generation equals its run alone."""
     from pellucid import SamplingParams
     from pellucid.pooling.embedder import EMBED_SAMPLING, Embedder
 
     model_dir = tiny_model_factory("qwen3")
-    kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=256, block_size=4, max_num_batched_tokens=40,
+    kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=22, block_size=4, max_num_batched_tokens=40,
                   async_scheduling=True)
     llm = LLM(model_dir, **kwargs)
     gen_prompts = random_prompts(80 + seed, [9, 23, 4])
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     alone = [out.outputs[0].token_ids for out in LLM(model_dir, **kwargs).generate(gen_prompts, params, use_tqdm=False)]
-    embed_prompts = random_prompts(90 + seed, [31, 7, 18, 2])
+    embed_prompts = random_prompts(90 + seed, [61, 7, 48, 2])
     embedders = {p: Embedder.for_engine(llm.info, {"pooling_type": p}) for p in ("last", "mean")}
     for i, prompt in enumerate(gen_prompts):
         llm.add_request(f"gen{i}", prompt, params)
-    finished = {}
-    for step in range(200):
+    finished, preempted = {}, set()
+    for step in range(500):
         if step in (1, 3):          # embeddings arrive while the generations decode, ahead of their readback
             for i, prompt in enumerate(embed_prompts):
                 pooling = "last" if (i + step) % 2 else "mean"
                 llm.add_request(f"emb{step}-{i}-{pooling}", prompt, EMBED_SAMPLING, extras=embedders[pooling].extras())
+        preempted |= {r.request_id for r in llm.engine.scheduler.requests.values() if r.num_preemptions}
         for out in llm.step():
             if out.finished:
                 finished[out.request_id] = out
         if not llm.has_unfinished_requests() and step > 3:
             break
     assert llm.engine.num_steps_ahead > 0
+    assert any(rid.startswith("emb") for rid in preempted)     # an embedding's prompt was recomputed
     assert [finished[f"gen{i}"].outputs[0].token_ids for i in range(len(gen_prompts))] == alone
     for rid, out in finished.items():
         if rid.startswith("emb"):
