@@ -12,7 +12,8 @@ Rows (median of --repeats, interleaved):
   mean over the real tokens, for the mean row's check, comes from the same forward).
 With --engine-process the engine core runs in its own process (as under `pellucid serve`), whose start-up
 heap is frozen out of Python's cyclic garbage collector; in this process every full collection walks the
-whole heap (model, torch, transformers). Inputs/s, input tokens/s and the ratio to transformers. Checks every Pellucid embedding against
+whole heap (model, torch, transformers). Prefix caching is off (the repeats embed the same inputs). Inputs/s, input tokens/s and the ratio to
+transformers. Checks every Pellucid embedding against
 transformers' (cosine similarity, bf16 on both sides, both poolings) and prints the smallest.
 """
 from __future__ import annotations
@@ -75,8 +76,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("embed_bench.py times GPU runs; it needs CUDA")
     args.gpu_memory_utilization = min(args.gpu_memory_utilization, 0.6)     # transformers shares the GPU
+    # Prefix caching off: every repeat embeds the same inputs, and cached prompts would skip their compute.
     llm, model_dir = make_engine(args, max_model_len=args.max_len + 8, max_num_seqs=256,
-                                 max_num_batched_tokens=16384, engine_process=args.engine_process)
+                                 max_num_batched_tokens=16384, engine_process=args.engine_process,
+                                 enable_prefix_caching=False)
     from transformers import AutoModel
     hf = AutoModel.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
 
