@@ -167,6 +167,8 @@ class ActiveFeatures:
         halves = [self._half(key) for key in request.extras]
         for half in halves:
             half.prepare(request)
+        # A token nobody reads is not generation (the engine's generation-token counters leave it out).
+        request.counts_as_generation = not any(get_feature(key).discards_tokens for key in request.extras)
 
     def queued(self, request: "Request") -> None:
         for key in request.extras:

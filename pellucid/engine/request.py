@@ -73,6 +73,7 @@ class Request:
         self.read_prefix_cache = True
         self.prefix_cache_read_limit: int | None = None   # a hit covers at most this many leading tokens
         self.publish_prefix_cache = True
+        self.counts_as_generation = True     # its tokens count in the engine's generation-token stats
         # Longest sequence this request may reach (prompt + output), set by the engine from max_model_len.
         max_tokens = sampling_params.max_tokens
         limit = max_model_len if max_model_len is not None else len(prompt_token_ids) + (max_tokens or 0)

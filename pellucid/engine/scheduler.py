@@ -84,7 +84,8 @@ class Scheduler:
         self.total_prompt_tokens = 0     # scheduled tokens of chunks that start inside the prompt
         self.prefix_cache_hit_tokens = 0
         self.num_preemptions = 0
-        self.total_generated_tokens = 0   # tokens appended to requests (a dropped in-flight token is not)
+        # Tokens appended to requests (a dropped in-flight token is not, nor an embedding request's token).
+        self.total_generated_tokens = 0
 
     # ---- queues ---------------------------------------------------------------------------------
     @property
@@ -335,7 +336,7 @@ class Scheduler:
             output_token_ids.append(token)
             all_token_ids = request.all_token_ids
             all_token_ids.append(token)
-            num_generated += 1
+            num_generated += request.counts_as_generation
             grammar = request.grammar
             if grammar is not None and (error := grammar.accept(token)) is not None:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error=error)

@@ -91,8 +91,13 @@ def test_shared_prefixes_come_from_the_prefix_cache(tiny_model_factory, backbone
     queries = [instruction + tail for tail in random_prompts(6, [5, 9, 2, 14])]
     llm.embed(queries[:1], use_tqdm=False)
     hits = llm.engine.kv_manager.prefix_cache_hits
+    before = llm.engine.stats()
     outputs = llm.embed(queries, use_tqdm=False)
     assert llm.engine.kv_manager.prefix_cache_hits - hits >= 3 * 32 + 32     # the instruction's 8 full blocks
+    after = llm.engine.stats()      # prompts count as prompt tokens; the dropped tokens are not generation
+    assert after.generation_tokens_total == before.generation_tokens_total
+    cached = llm.engine.kv_manager.prefix_cache_hits - hits
+    assert after.prompt_tokens_total - before.prompt_tokens_total == sum(len(q) for q in queries) - cached
     for ids, got in zip(queries, embeddings(outputs)):
         assert_close(got, reference(backbone(model_dir), ids, "last", normalize=True))
 
