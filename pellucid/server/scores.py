@@ -120,7 +120,8 @@ class ServerScores:
 
     async def _cosines(self, pairs: list[tuple[str, str]], truncate: int | None, request_id: str,
                        params: tuple[str, str]) -> tuple[list[float], int]:
-        """The cosine similarity of each pair's embeddings, and the tokens embedded (each distinct text once)."""
+        """The cosine similarity of each pair's embeddings, and the tokens embedded (each side's distinct texts
+        once)."""
         try:
             pooling = PoolingParams(normalize=True, truncate_prompt_tokens=truncate)
         except ValueError as exc:
