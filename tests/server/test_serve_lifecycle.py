@@ -151,3 +151,10 @@ def test_startup_failure_shows_the_original_error(tmp_path):
     output, _ = proc.communicate(timeout=180)
     assert proc.returncode != 0
     assert "NoSuchForCausalLM" in output and "could not start" in output, output
+
+
+def test_a_bad_pooler_config_stops_serve_before_the_engine_starts(tmp_path):
+    proc = start_serve_process(SERVE, str(tmp_path), free_port(), "--pooler-config", '{"pooling_type": "max"}')
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 2
+    assert "--pooler-config" in output and "pooling_type must be one of" in output, output
