@@ -39,6 +39,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None                  # set when the request ended with an error
+    bad_request: bool = False                 # that error is the request's own (its constraints contradict)
     metrics: dict[str, float] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)  # saved activations, hidden states, ...
 

@@ -38,10 +38,11 @@ __all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream"]
 class RequestFailedError(RuntimeError):
     """A request ended with an error inside the engine (the engine keeps serving the others)."""
 
-    def __init__(self, request_id: str, message: str) -> None:
+    def __init__(self, request_id: str, message: str, bad_request: bool = False) -> None:
         super().__init__(f"request {request_id} failed: {message}")
         self.request_id = request_id
         self.message = message
+        self.bad_request = bad_request      # the request's own parameters made it fail (a client error)
 
 
 class RequestStream:
@@ -291,7 +292,7 @@ class AsyncLLM:
             if output.finished:
                 del streams[output.request_id]
             if output.error is not None:
-                stream.put(RequestFailedError(output.request_id, output.error))
+                stream.put(RequestFailedError(output.request_id, output.error, output.bad_request))
             else:
                 stream.put(output)
 

@@ -411,6 +411,7 @@ class EngineCore:
             out.finish_reason = req.status.value
             out.stop_reason = req.stop_reason
             out.error = req.error
+            out.bad_request = req.bad_request
             # The output becomes the only owner of the feature outputs: finished requests stay referenced
             # by engine internals for a while (persistent batch rows, the last step's trace).
             out.extras, req.feature_outputs = req.feature_outputs, None

@@ -91,6 +91,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # What features report while the request runs, since its last output (a pipeline stage's chunk notices
     # and audio, pellucid/pipeline); None for most requests.
     events: dict[str, Any] | None = None
+    bad_request: bool = False                 # the error is the request's own (Request.bad_request)
 
     @property
     def finished(self) -> bool:

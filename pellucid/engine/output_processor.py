@@ -40,6 +40,7 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    bad_request: bool = False            # the error is the request's own
     extras: dict[str, Any] | None = None
     awaiting_engine: bool = False        # ended here by a stop string; its feature outputs are still to come
 
@@ -135,6 +136,7 @@ class OutputProcessor:
                 seq.finish_reason = out.finish_reason
                 seq.stop_reason = out.stop_reason
                 seq.error = out.error
+                seq.bad_request = out.bad_request
                 self._take_extras(parent, seq, out)
             if parent.stream or seq.finish_reason is not None:
                 touched[parent.request_id] = parent
@@ -250,10 +252,11 @@ class OutputProcessor:
         seqs = parent.seqs
         if len(seqs) == 1:
             completions = [self._completion(parent, seqs[0])]
-            error = seqs[0].error
+            error, bad_request = seqs[0].error, seqs[0].bad_request
         else:
             completions = [self._completion(parent, seq) for seq in seqs]
-            error = next((s.error for s in seqs if s.error), None)
+            failed = next((s for s in seqs if s.error), None)
+            error, bad_request = (failed.error, failed.bad_request) if failed is not None else (None, False)
         metrics = {"arrival_time": parent.arrival_time}
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time
@@ -261,7 +264,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
-            num_cached_tokens=parent.num_cached_tokens, error=error, metrics=metrics, extras=extras)
+            num_cached_tokens=parent.num_cached_tokens, error=error, bad_request=bad_request, metrics=metrics,
+            extras=extras)
 
     def _completion(self, parent: ParentState, seq: SequenceState) -> CompletionOutput:
         params = parent.params

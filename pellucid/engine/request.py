@@ -66,6 +66,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # The request's own parameters made it fail while it ran (a client error, not the engine's).
+        self.bad_request = False
         self.num_preemptions = 0
         # Prefix-cache policy. A traced request reads cached KV only below the first position it observes
         # (it must compute every position it observes) and an edited request turns publishing off (its KV

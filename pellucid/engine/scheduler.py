@@ -326,6 +326,7 @@ class Scheduler:
                 continue
             token = sampled.get(request.request_id)
             if token is None or token < 0:
+                request.bad_request = token is not None     # NO_TOKEN: its constraints contradict each other
                 self._finish(request, RequestStatus.FINISHED_ERROR, error=(
                     "the model runner returned no token for a request that was due to sample" if token is None else
                     "no token satisfies the request's constraints: its allowed_token_ids, structured-output grammar "

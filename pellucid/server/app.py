@@ -367,6 +367,8 @@ class OpenAIServer:
             return ProtocolError(str(exc), status=503, error_type="service_unavailable")
         if not isinstance(exc, RequestFailedError):
             logger.exception("streaming response failed")
+        elif exc.bad_request:
+            return ProtocolError(str(exc))
         return _internal_error(str(exc))
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------
@@ -484,6 +486,8 @@ def _guarded(server: OpenAIServer, handler: Callable[[Request], Awaitable[Respon
             return error_response(ProtocolError(str(exc), status=503, error_type="service_unavailable"))
         except RequestFailedError as exc:
             server.metrics.request_failed()
+            if exc.bad_request:     # its own constraints contradict each other: retrying cannot help
+                return error_response(ProtocolError(str(exc)))
             return error_response(_internal_error(str(exc)))
         except Exception as exc:
             server.metrics.request_failed()

@@ -1,6 +1,8 @@
 """Bad input gets its status and a message naming the field; auth; one failing request does not stop the server."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -140,3 +142,24 @@ def test_api_key_is_required_when_set(async_engine):
         assert httpx.get(f"{secured.url}/health", timeout=60).status_code == 200
     finally:
         secured.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_that_exclude_every_token_are_the_clients_error(server, stream):
+    """allowed_token_ids inside the min_tokens ban of EOS: no token can be drawn, which shows only when the
+    request samples. Not an engine failure: a 400 (a client that retries 5xx would repeat it for nothing), or
+    in a started stream an error event of type invalid_request_error."""
+    eos = sorted(server.llm.info.eos_token_ids)[0]
+    body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 4, "min_tokens": 2,
+            "allowed_token_ids": [eos], "stream": stream}
+    if not stream:
+        response = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        assert "no token satisfies" in response.json()["error"]["message"]
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        return
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    errors = [json.loads(line[6:])["error"] for line in lines if '"error"' in line]
+    assert errors and errors[0]["type"] == "invalid_request_error" and "no token satisfies" in errors[0]["message"]
+    assert lines[-1] == "data: [DONE]"
