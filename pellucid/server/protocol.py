@@ -235,6 +235,10 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None     # an assistant's calls, as OpenAI returned them
     tool_call_id: str | None = None                    # a "tool" message: the call it answers
+    # An assistant turn's reasoning, sent back for interleaved thinking: vLLM's `reasoning`, or DeepSeek's older
+    # `reasoning_content`. Templates read it as `reasoning_content` (Qwen3, DeepSeek) or `reasoning`.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -269,6 +273,12 @@ def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = message.tool_calls
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+        if reasoning is not None:
+            if message.role != "assistant":
+                raise ProtocolError(f"messages.{i}: only an assistant message carries reasoning, not a "
+                                    f"{message.role!r} one", param=f"messages.{i}.reasoning")
+            entry["reasoning_content"] = entry["reasoning"] = reasoning
         out.append(entry)
     return out
 

@@ -84,3 +84,27 @@ def test_reasoning_comes_apart_from_content_and_tool_calls(thinking_server, stre
     plain = thinking_server.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "go"}],
                                                     max_tokens=4, temperature=0)
     assert getattr(plain.choices[0].message, "reasoning", None) is None
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_reasoning_sent_back_reaches_the_chat_template(server, server_model_dir, field):
+    """Interleaved thinking: an assistant turn's reasoning, sent back under vLLM's `reasoning` (or DeepSeek's
+    `reasoning_content`), is rendered by the template as transformers renders `reasoning_content`."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(server_model_dir)
+    messages = [{"role": "user", "content": "two plus two?"},
+                {"role": "assistant", "content": "four", field: "the sum of two and two"},
+                {"role": "user", "content": "and three plus three?"}]
+    reply = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    expected = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"], **({"reasoning_content": m[field]} if field in m else {})}
+         for m in messages], add_generation_prompt=True, tokenize=True)
+    expected = list(expected if isinstance(expected, list) else expected["input_ids"])
+    assert reply.json()["tokens"] == expected
+    assert "<think>the sum of two and two</think>four" in tokenizer.decode(reply.json()["tokens"])
+    refused = httpx.post(f"{server.url}/tokenize", timeout=60,
+                         json={"messages": [{"role": "user", "content": "hi", field: "x"}]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages.0.reasoning"
