@@ -199,6 +199,14 @@ def _arguments_json(arguments: object, body: str) -> str:
     return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
+def _object_call(call: object, body: str, argument_keys: tuple[str, ...] = ("arguments",)) -> tuple[str, str]:
+    """(name, arguments JSON) of a call written {"name": ..., <an argument key>: {...}}; ValueError otherwise."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ValueError(f"a tool call needs a name: {body!r}")
+    arguments = next((call[key] for key in argument_keys if key in call), {})
+    return call["name"], _arguments_json(arguments, body)
+
+
 @TOOL_CALL_PARSERS.register
 class MistralToolCallParser(TrailingCallsParser):
     name = "mistral"
@@ -221,10 +229,7 @@ class MistralToolCallParser(TrailingCallsParser):
                 calls.append((name, _arguments_json(json.loads(arguments), piece)))
                 continue
             items = json.loads(piece)      # v3: a JSON array of calls (or one call)
-            for item in items if isinstance(items, list) else [items]:
-                if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                    raise ValueError(f"a tool call needs a name: {piece!r}")
-                calls.append((item["name"], _arguments_json(item.get("arguments", {}), piece)))
+            calls.extend(_object_call(item, piece) for item in (items if isinstance(items, list) else [items]))
         if not calls:
             raise ValueError("the answer names no call after [TOOL_CALLS]")
         return calls
@@ -240,9 +245,7 @@ class Llama3JsonToolCallParser(AnchoredCallsParser):
         decoder, calls, position = json.JSONDecoder(), [], 0
         while position < len(body):
             call, position = decoder.raw_decode(body, position)
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                raise ValueError(f"a tool call needs a name: {body!r}")
-            calls.append((call["name"], _arguments_json(call.get("parameters", call.get("arguments", {})), body)))
+            calls.append(_object_call(call, body, ("parameters", "arguments")))
             rest = body[position:].lstrip()
             if rest and not rest.startswith(";"):
                 raise ValueError(f"tool calls must be separated by ';': {body!r}")
