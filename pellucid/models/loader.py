@@ -18,6 +18,7 @@ from torch import nn
 from pellucid.distributed.parallel_state import tensor_parallel_rank_and_size
 from pellucid.logger import get_logger
 from pellucid.models.parallel_layers import checkpoint_slice
+from pellucid.models.quantized_checkpoint import checkpoint_dequantizer, refuse_raw_codes
 from pellucid.models.registry import get_model_class
 
 logger = get_logger(__name__)
@@ -90,8 +91,19 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     filled: dict[str, int] = defaultdict(int)     # parameter name -> elements written
     unexpected: list[str] = []
     bare = _bare_backbone_prefix(model, model_dir, params) if prefixes is None else ""
+    first_param = next(model.parameters())
+    device = first_param.device
+    dequantizer = checkpoint_dequantizer(model_dir, checkpoint_files(model_dir), device, read_tensor)
+    if dequantizer is not None:
+        logger.warning("%s is a quantized checkpoint: its 8-bit weights are dequantized to %s as they load, so it "
+                       "serves with the memory and speed of the full-precision model (no 8-bit kernels; activations "
+                       "and the KV cache stay in %s too)", model_dir, first_param.dtype, first_param.dtype)
     with torch.no_grad():
         for path, name, stored in _iter_checkpoint(model_dir, prefixes):
+            if dequantizer is not None:
+                if dequantizer.skips(name):
+                    continue
+                stored = dequantizer.wrap(name, stored)
             if bare and name not in params:
                 name = bare + name
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
@@ -103,6 +115,7 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
             if param is None:
                 unexpected.append(f"{name} (in {os.path.basename(path)})")
                 continue
+            refuse_raw_codes(name, stored)
             dest = param[index] if index else param
             if not index:
                 module_name, _, attr = param_name.rpartition(".")
@@ -208,6 +221,7 @@ class _StoredTensor:
         try:
             self._slice = handle.get_slice(name)
             self.shape = tuple(self._slice.get_shape())
+            self.dtype_name = self._slice.get_dtype()      # safetensors' name: "BF16", "F8_E4M3", ...
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"cannot read tensor {name!r} from {path} (truncated or corrupt?): {exc}") from exc
 
@@ -243,20 +257,29 @@ def _iter_checkpoint(model_dir: str, prefixes: tuple[str, ...] | None = None
 
 
 def read_tensors(model_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read the named tensors (CPU, stored dtype) from a single-file or sharded checkpoint."""
-    location = {name: path for path, file_names in checkpoint_files(model_dir).items() for name in file_names}
+    """Read the named tensors (CPU) from a single-file or sharded checkpoint: in their stored dtype, except
+    the FP8 weights of a quantized checkpoint, which come dequantized to float32."""
+    files = checkpoint_files(model_dir)
+    location = {name: path for path, file_names in files.items() for name in file_names}
     missing = [name for name in names if name not in location]
     if missing:
         raise KeyError(f"checkpoint in {model_dir} has no tensor(s) {', '.join(missing)}")
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for name in names:
-        by_file[location[name]].append(name)
+    dequantizer = checkpoint_dequantizer(model_dir, files, "cpu", read_tensor)
     tensors: dict[str, torch.Tensor] = {}
-    for path, file_names in by_file.items():
-        with _open_safetensors(path) as f:
-            for name in file_names:
-                tensors[name] = _get_tensor(f, path, name)
+    for name in names:
+        with _open_safetensors(location[name]) as f:
+            stored = _StoredTensor(f, location[name], name)
+            if dequantizer is not None:
+                stored = dequantizer.wrap(name, stored)
+            refuse_raw_codes(name, stored)
+            tensors[name] = stored.read()
     return tensors
+
+
+def read_tensor(path: str, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file (CPU, stored dtype)."""
+    with _open_safetensors(path) as f:
+        return _get_tensor(f, path, name)
 
 
 class _open_safetensors:
