@@ -1,13 +1,14 @@
 """Pellucid: a fast LLM inference and serving engine whose internals are open."""
-from pellucid.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
-                              ScoringOutput, ScoringRequestOutput)
+from pellucid.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                              EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from pellucid.pooling import PoolingParams
 from pellucid.sampling_params import SamplingParams
 from pellucid.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "EmbeddingRequestOutput", "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput", "Logprob", "__version__"]
+           "EmbeddingRequestOutput", "EmbeddingOutput", "ClassificationRequestOutput", "ClassificationOutput",
+           "ScoringRequestOutput", "ScoringOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

@@ -18,8 +18,8 @@ from pellucid.engine.engine_core import EngineCore, EngineInfo
 from pellucid.engine.input_processor import InputProcessor, ProcessedRequest, send
 from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
-from pellucid.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
-                              ScoringRequestOutput)
+from pellucid.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                              EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from pellucid.pooling.config import PoolerConfig, PoolingParams
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import apply_chat_template, load_tokenizer
@@ -75,6 +75,7 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._ids = itertools.count()
         self._embedder: Any = None
+        self._classifier: Any = None
 
     @property
     def engine(self) -> EngineCore:
@@ -163,19 +164,64 @@ class LLM:
                                        out.prompt_token_ids, EmbeddingOutput(vector))
                 for prompt, out, vector in zip(prompt_list, outputs, vectors)]
 
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """The class probabilities (and logits) of each prompt, from a sequence-classification model (reward
+        models, classifiers: `*ForSequenceClassification` checkpoints), as vLLM's `classify`; see
+        pellucid/pooling/classifier.py. ValueError (nothing queued) for another model, a bad prompt or params."""
+        classifier = self._get_classifier()
+        prompt_list = normalize_prompts(prompts)
+        ids = [classifier.prompt_ids(self.input_processor.tokenize(p) if isinstance(p, str) else p, pooling_params)
+               for p in prompt_list]
+        return self._classified(prompt_list, ids, use_tqdm)
+
+    def _get_classifier(self) -> Any:
+        from pellucid.pooling.classifier import Classifier
+
+        if self._classifier is None:
+            self._classifier = Classifier.for_engine(self.info)
+        return self._classifier
+
+    def _classified(self, prompts: list[Any], ids: list[list[int]], use_tqdm: bool
+                    ) -> list[ClassificationRequestOutput]:
+        from pellucid.pooling.embedder import EMBED_SAMPLING
+
+        classifier = self._get_classifier()
+        outputs = self.generate(ids, EMBED_SAMPLING, use_tqdm=use_tqdm, extras=[classifier.extras()] * len(ids))
+        logits = classifier.logits(outputs)
+        probs = classifier.probabilities(logits)
+        return [ClassificationRequestOutput(out.request_id, prompt if isinstance(prompt, str) else None,
+                                            out.prompt_token_ids, ClassificationOutput(p.tolist(), raw.tolist()))
+                for prompt, out, p, raw in zip(prompts, outputs, probs, logits)]
+
     def score(self, text_1: str | list[str], text_2: str | list[str], truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
-        """vLLM's `score` for embedding models: the cosine similarity of text_1's and each text_2's embeddings
-        (one text_1 against every text_2, or text_1[i] against text_2[i]), in text_2's order."""
+        """vLLM's `score`: one text_1 against every text_2, or text_1[i] against text_2[i], in text_2's order.
+        An embedding model scores the cosine similarity of the two texts' embeddings; a cross-encoder (a
+        classification model with one label) reads each pair as one input (the tokenizer's pair encoding)
+        and scores the sigmoid of its logit."""
         from pellucid.pooling.scoring import cosine_scores, pair_up
 
         pairs = pair_up(text_1, text_2)
+        if self.info.num_labels:
+            return self._cross_encoder_scores(pairs, truncate_prompt_tokens, use_tqdm)
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
         outputs = self.embed(texts, PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens),
                              use_tqdm=use_tqdm)
         vectors = {text: out.outputs.data for text, out in zip(texts, outputs)}
         return [ScoringRequestOutput(f"score-{i}", ScoringOutput(value))
                 for i, value in enumerate(cosine_scores(pairs, vectors))]
+
+    def _cross_encoder_scores(self, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None,
+                              use_tqdm: bool) -> list[ScoringRequestOutput]:
+        from pellucid.pooling.classifier import pair_ids
+
+        classifier = self._get_classifier()
+        classifier.check_cross_encoder()
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        ids = [classifier.prompt_ids(pair_ids(self.tokenizer, a, b), params) for a, b in pairs]
+        results = self._classified([None] * len(ids), ids, use_tqdm)
+        return [ScoringRequestOutput(f"score-{i}", ScoringOutput(r.outputs.probs[0])) for i, r in enumerate(results)]
 
     def trace(self, prompts: PromptType | Sequence[PromptType] | None = None,
               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Any:

@@ -77,6 +77,31 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """One sequence's classification: `probs`, the class probabilities (softmax over the classes; the sigmoid
+    of the one logit of a one-label model, as vLLM's `classify` gives them); `logits`, the head's raw output
+    (a reward model's reward)."""
+
+    probs: list[float]
+    logits: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result per prompt, shaped like vLLM's (output.outputs.probs)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     score: float
 

@@ -205,11 +205,41 @@ def build_tiny_model(arch: str, out_dir: str, seed: int = 0, max_shard_size: str
     config_kwargs.update(variant)
     config_kwargs.update(config_overrides)
     config = getattr(transformers, config_class_name)(**config_kwargs)
+    model = _random_model(getattr(transformers, model_class_name), config, seed)
+    model.generation_config = transformers.GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out_dir, **save_kwargs)
+    logger.debug("built tiny %s model in %s", arch, out_dir)
+    return out_dir
+
+
+def build_tiny_classifier(arch: str, out_dir: str, num_labels: int = 3, seed: int = 0, **config_overrides: Any) -> str:
+    """Write a random-weight float32 `<Arch>ForSequenceClassification` checkpoint of `arch` (the decoder of
+    build_tiny_model's and a `score` head of `num_labels` classes named LABEL_0 ...; no LM head), with its
+    tokenizer."""
+    import transformers
+
+    build_tiny_model(arch, out_dir, seed=seed, **config_overrides)
+    config = transformers.AutoConfig.from_pretrained(out_dir)
+    config.num_labels = num_labels
+    name = _ARCHS[arch][1].removesuffix("ForCausalLM") + "ForSequenceClassification"
+    config.architectures = [name]
+    for path in os.listdir(out_dir):
+        if path.startswith("model") and path.endswith((".safetensors", ".json")):
+            os.remove(os.path.join(out_dir, path))
+    _random_model(getattr(transformers, name), config, seed).save_pretrained(out_dir, safe_serialization=True)
+    logger.debug("built tiny %s classifier in %s", arch, out_dir)
+    return out_dir
+
+
+def _random_model(model_class: Any, config: Any, seed: int) -> Any:
     # HF's init draws from normal(0, initializer_range=0.02); such small weights make every tiny model
     # predict near-uniform logits, which hides numerical bugs. Wider weights give peaked distributions.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = getattr(transformers, model_class_name)(config).to(torch.float32)
+        model = model_class(config).to(torch.float32)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -218,13 +248,7 @@ def build_tiny_model(arch: str, out_dir: str, seed: int = 0, max_shard_size: str
                     param.copy_(0.1 * torch.randn_like(param))
                 else:
                     param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
-    model.generation_config = transformers.GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
-    save_kwargs: dict[str, Any] = {"safe_serialization": True}
-    if max_shard_size is not None:
-        save_kwargs["max_shard_size"] = max_shard_size
-    model.save_pretrained(out_dir, **save_kwargs)
-    logger.debug("built tiny %s model in %s", arch, out_dir)
-    return out_dir
+    return model
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:

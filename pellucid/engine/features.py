@@ -137,8 +137,9 @@ def check_served_without_logits(extras: dict[str, Any] | None, computes_logits: 
     """ValueError unless an engine whose head `computes_logits` (or not) can serve a request with `extras`."""
     if computes_logits or any(get_feature(key).discards_tokens for key in (extras or {})):
         return
-    raise ValueError("this engine has no LM head (an embedding checkpoint without one, or --head none): it serves "
-                     "embeddings only (LLM.embed, /v1/embeddings), not generation, logprobs or logits")
+    raise ValueError("this engine has no LM head (an embedding or classification checkpoint without one, or --head "
+                     "none): it serves embeddings and classifications only (LLM.embed, LLM.classify, /v1/embeddings, "
+                     "/classify), not generation, logprobs or logits")
 
 
 def get_feature(key: str) -> RequestFeature:

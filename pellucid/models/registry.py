@@ -59,3 +59,4 @@ def _import_builtin_models() -> None:
     import pellucid.models.moe_models  # noqa: F401
     import pellucid.models.qwen3  # noqa: F401
     import pellucid.models.qwen3_omni.stages  # noqa: F401
+    import pellucid.models.sequence_classification  # noqa: F401

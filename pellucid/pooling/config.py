@@ -99,6 +99,17 @@ class PoolingParams:
             raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {n!r}")
 
 
+def fit_prompt(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The ids a pooling request runs on: the last `truncate_prompt_tokens` of them, fitting the engine (a
+    request computes its prompt and samples one token)."""
+    if truncate_prompt_tokens is not None:
+        ids = ids[-truncate_prompt_tokens:]
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the input has {len(ids)} tokens; a pooling input may have at most {max_model_len - 1} "
+                         f"(max_model_len - 1): shorten it or set truncate_prompt_tokens")
+    return ids
+
+
 def _from_sentence_transformers(model_dir: str) -> PoolerConfig | None:
     modules_file = os.path.join(model_dir, "modules.json")
     if not os.path.isfile(modules_file):

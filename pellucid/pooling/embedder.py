@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pellucid.pooling.config import PoolerConfig, PoolingParams
+from pellucid.pooling.config import PoolerConfig, PoolingParams, fit_prompt
 from pellucid.pooling.feature import POOL_KEY, POOLED_HIDDEN
 from pellucid.sampling_params import SamplingParams
 
@@ -47,12 +47,7 @@ class Embedder:
 
     def prompt_ids(self, ids: list[int], params: PoolingParams) -> list[int]:
         """The ids the engine embeds: the last `truncate_prompt_tokens` of them, fitting the engine."""
-        if params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens:]
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the input has {len(ids)} tokens; an embedding input may have at most "
-                             f"{self.max_model_len - 1} (max_model_len - 1): shorten it or set truncate_prompt_tokens")
-        return ids
+        return fit_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
 
     def embeddings(self, outputs: list[Any], params: PoolingParams) -> torch.Tensor:
         """The float32 embeddings [len(outputs), size] of finished embedding requests, pooled, truncated and

@@ -1,4 +1,5 @@
-"""Embedding requests as a request feature: `extras["pool"] = "last" | "mean" | "cls"`.
+"""Embedding and classification requests as a request feature: `extras["pool"] = "last" | "mean" | "cls"`
+(an embedding) or `"classify"` (the class logits of a sequence-classification model).
 
 The feature declares that its requests never read their sampled token (`discards_tokens`), so an engine
 without an LM head (heads/none.py) serves them, and it holds a request to what an embedding request is: one
@@ -9,10 +10,13 @@ step (the rows the LM head reads from) and copies what each request's pooling ne
 step's tokens:
 - "last": the row of its last prompt position, the one it samples from;
 - "cls": the row of position 0;
-- "mean": the float32 sum of its rows in this step (its prompt may span several chunks), added up on the host.
+- "mean": the float32 sum of its rows in this step (its prompt may span several chunks), added up on the host;
+- "classify": the model's `score` layer (models/sequence_classification.py) applied on the device to the row
+  of its last prompt position, as transformers' sequence classifiers pool.
 The request's final output carries the pooled vector as `pooled_hidden` ([hidden]; the mean in float32, a
-picked row in the model's dtype). "last" requests read the prefix cache like any other (the last position is
-always computed); "mean" and "cls" requests compute every prompt position themselves.
+picked row in the model's dtype), or the class logits as `class_logits` ([num_labels], float32). "last" and
+"classify" requests read the prefix cache like any other (the last position is always computed); "mean" and
+"cls" requests compute every prompt position themselves.
 """
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ from pellucid.runner.step_hooks import StepHook, copy_to_host
 
 POOL_KEY = "pool"
 POOLED_HIDDEN = "pooled_hidden"
+CLASS_LOGITS = "class_logits"
+CLASSIFY = "classify"
+REQUEST_KINDS = (*POOLING_TYPES, CLASSIFY)
 
 
 class PoolingMarker(RequestFeature):
@@ -40,8 +47,11 @@ class PoolingMarker(RequestFeature):
         _check_kind(value)
         if (params.n != 1 or params.max_tokens != 1 or params.logprobs is not None or params.prompt_logprobs is not None
                 or params.structured_outputs is not None or params.logit_bias or params.allowed_token_ids):
-            raise ValueError("an embedding request samples one greedy token that nobody reads: n=1, max_tokens=1, "
-                             "no logprobs and no output constraints")
+            raise ValueError("an embedding or classification request samples one greedy token that nobody reads: "
+                             "n=1, max_tokens=1, no logprobs and no output constraints")
+        if value == CLASSIFY and not engine_info.num_labels:
+            raise ValueError("this model has no classification head: classify needs a *ForSequenceClassification "
+                             "checkpoint")
         return value
 
     def for_engine(self, engine: Any) -> "EnginePooling":
@@ -49,8 +59,8 @@ class PoolingMarker(RequestFeature):
 
 
 def _check_kind(value: Any) -> None:
-    if value not in POOLING_TYPES:
-        raise ValueError(f"extras['pool'] must be one of {', '.join(POOLING_TYPES)}, got {value!r}")
+    if value not in REQUEST_KINDS:
+        raise ValueError(f"extras['pool'] must be one of {', '.join(REQUEST_KINDS)}, got {value!r}")
 
 
 class _Pooled:
@@ -77,13 +87,16 @@ class _Pooled:
 class EnginePooling(EngineFeature):
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.hook = _PoolingHook()
+        self.hook = _PoolingHook(getattr(runner.model, "score", None))
 
     def prepare(self, request: Any) -> None:
         kind = request.extras[POOL_KEY]
         _check_kind(kind)
+        if kind == CLASSIFY and self.hook.score is None:
+            raise ValueError("this model has no classification head (`score`): classify needs a "
+                             "*ForSequenceClassification checkpoint")
         request.extras[POOL_KEY] = _Pooled(kind)
-        if kind != "last":
+        if kind in ("mean", "cls"):
             request.read_prefix_cache = False       # every prompt position is read, so computed here
 
     def set_active(self, active: bool) -> None:
@@ -101,14 +114,18 @@ class EnginePooling(EngineFeature):
             if pooled is not None:
                 if request.feature_outputs is None:
                     request.feature_outputs = {}
-                request.feature_outputs[POOLED_HIDDEN] = pooled
+                request.feature_outputs[CLASS_LOGITS if state.kind == CLASSIFY else POOLED_HIDDEN] = pooled
 
 
 class _PoolingHook(StepHook):
     """Per step: the rows each pooling request needs, gathered on the device and copied to the host."""
 
+    def __init__(self, score: torch.nn.Module | None) -> None:
+        self.score = score          # the model's classification head, if it has one
+
     def after_sampling(self, so: Any, batch: Any, hidden: Any, sampled: Any) -> Any:
         picked: list[tuple[int, _Pooled]] = []           # (row, state): "last" and "cls"
+        classified: list[tuple[int, _Pooled]] = []       # (row, state): "classify"
         summed: list[tuple[int, int, _Pooled]] = []      # (first row, rows, state): "mean"
         start = 0
         for request, computed, count in zip(so.requests, so.num_computed_tokens, so.num_scheduled_tokens):
@@ -120,13 +137,13 @@ class _PoolingHook(StepHook):
                     summed.append((start, count, state))
                 elif state.kind == "cls" and computed == 0:
                     picked.append((start, state))
-                elif state.kind == "last" and computed + count == request.num_prompt_tokens:
-                    picked.append((start + count - 1, state))
+                elif computed + count == request.num_prompt_tokens and state.kind in ("last", CLASSIFY):
+                    (picked if state.kind == "last" else classified).append((start + count - 1, state))
             start += count
-        if not picked and not summed:
+        if not picked and not summed and not classified:
             return None
-        rows = host_to_device([row for row, _ in picked], torch.int64, hidden.device) if picked else None
-        picked_rows = copy_to_host(hidden.index_select(0, rows)) if rows is not None else None
+        picked_rows = copy_to_host(_rows(hidden, picked)) if picked else None
+        logits = copy_to_host(self.score(_rows(hidden, classified)).float()) if classified else None
         sums = None
         if summed:
             flat = [row for first, count, _ in summed for row in range(first, first + count)]
@@ -135,17 +152,23 @@ class _PoolingHook(StepHook):
             segments = host_to_device(segment, torch.int64, hidden.device)
             totals = torch.zeros(len(summed), hidden.shape[1], dtype=torch.float32, device=hidden.device)
             sums = copy_to_host(totals.index_add_(0, segments, hidden.index_select(0, index).float()))
-        return picked, picked_rows, summed, sums
+        return picked, picked_rows, classified, logits, summed, sums
 
     def after_readback(self, handle: Any) -> None:
         if handle is None:
             return
-        picked, picked_rows, summed, sums = handle
+        picked, picked_rows, classified, logits, summed, sums = handle
         for (_, state), row in zip(picked, picked_rows if picked_rows is not None else []):
+            state.row = row
+        for (_, state), row in zip(classified, logits if logits is not None else []):
             state.row = row
         for (_, count, state), total in zip(summed, sums if sums is not None else []):
             state.total = total if state.total is None else state.total + total
             state.count += count
+
+
+def _rows(hidden: torch.Tensor, picked: list[tuple[int, Any]]) -> torch.Tensor:
+    return hidden.index_select(0, host_to_device([row for row, _ in picked], torch.int64, hidden.device))
 
 
 register_feature(PoolingMarker())

@@ -28,6 +28,7 @@ from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
 from pellucid.pooling.config import PoolerConfig
 from pellucid.sampling_params import SamplingParams
+from pellucid.server.classify import ServerClassifications
 from pellucid.server.embeddings import ServerEmbeddings
 from pellucid.server.scores import ServerScores
 from pellucid.server.disconnect import ClientDisconnected, until_disconnect
@@ -112,7 +113,8 @@ class OpenAIServer:
         self.metrics.set_lm_head(self.lm_head)
         self.extraction = ServerExtraction(llm, extract_dir)   # the extract_hidden_states field
         self.embeddings = ServerEmbeddings(self, pooler_config)  # /v1/embeddings
-        self.scores = ServerScores(self)                         # /v1/score, /v1/rerank (over the embeddings)
+        self.classifications = ServerClassifications(self)       # /classify
+        self.scores = ServerScores(self)                         # /v1/score, /v1/rerank
         self.ignored_fields: set[str] = set()    # request fields this server does not know, warned about once each
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -153,6 +155,22 @@ class OpenAIServer:
                 stream.cancel()
             raise
         return streams
+
+    async def finals(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str, param: str,
+                     extras: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Queue one request per prompt (add_all) and wait for each one's final output."""
+        streams = await self.add_all(prompts, params, request_id, param, extras=extras)
+        finals = []
+        try:
+            for stream in streams:
+                final = None
+                async for output in stream:
+                    final = output
+                finals.append(final)
+        finally:
+            for stream in streams:
+                stream.cancel()
+        return finals
 
     async def merged(self, streams: list[RequestStream], timer: RequestTimer,
                      tracker: ChoiceTracker) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -529,6 +547,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     protected.add_api_route("/v1/completions", _guarded(server, server.completions), methods=["POST"])
     protected.add_api_route("/v1/chat/completions", _guarded(server, server.chat_completions), methods=["POST"])
     protected.add_api_route("/v1/embeddings", _guarded(server, server.embeddings.create), methods=["POST"])
+    protected.add_api_route("/classify", _guarded(server, server.classifications.create), methods=["POST"])
     for path in ("/score", "/v1/score"):          # vLLM's paths
         protected.add_api_route(path, _guarded(server, server.scores.score), methods=["POST"])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

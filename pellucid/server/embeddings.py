@@ -115,17 +115,7 @@ class ServerEmbeddings:
         """The float32 embeddings [len(inputs), size] of token id lists, all queued before any is read (a
         refused one refuses them all: ProtocolError naming `param`)."""
         embedder = self.embedder()
-        streams = await self.server.add_all(inputs, EMBED_SAMPLING, request_id, param, extras=embedder.extras())
-        finals = []
-        try:
-            for stream in streams:
-                final = None
-                async for output in stream:
-                    final = output
-                finals.append(final)
-        finally:
-            for stream in streams:
-                stream.cancel()
+        finals = await self.server.finals(inputs, EMBED_SAMPLING, request_id, param, extras=embedder.extras())
         return embedder.embeddings(finals, params)
 
     def text_ids(self, texts: list[str], params: PoolingParams, param: str, add_special_tokens: bool = True

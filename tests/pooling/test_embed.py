@@ -224,7 +224,8 @@ def test_engines_without_an_lm_head_serve_embeddings_only(tiny_model_factory, ba
         llm.generate(prompts[:1], SamplingParams(max_tokens=3), use_tqdm=False)
     with pytest.raises(ValueError, match="no LM head"):
         llm.generate(prompts[:1], use_tqdm=False, extras=[{"trace": TracePlan([Save(site="model")])}])
-    with pytest.raises(ValueError, match="embeddings only"):     # the engine refuses what a frontend let by
+    # The engine refuses what a frontend let by.
+    with pytest.raises(ValueError, match="embeddings and classifications only"):
         llm.engine.add_request(EngineCoreRequest("x", [5, 6], SamplingParams(max_tokens=1), 0.0, False, None))
     with pytest.raises(ValueError, match="one greedy token that nobody reads"):
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False,
