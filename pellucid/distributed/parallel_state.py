@@ -96,6 +96,8 @@ class TensorParallel:
         self.group = group            # the device group (NCCL on CUDA, gloo on the CPU)
         self.cpu_group = cpu_group    # gloo: Python values at start-up
         self.small_all_reduce: SymmMemAllReduce | None = None    # set by init_tensor_parallel (symm_mem)
+        # The all-reduce fused with the residual add + RMSNorm after it (symm_mem): fused_all_reduce.py.
+        self.fused_add_norm: Any = None    # FusedAllReduceAddNorm | None
 
     @property
     def is_driver(self) -> bool:
@@ -222,6 +224,9 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
     _TP.all_reduce(torch.zeros(1, device=device))
     if all_reduce == "symm_mem":
         _TP.small_all_reduce = symm_mem_all_reduce(_TP)
+        if _TP.small_all_reduce is not None:       # symmetric memory works here
+            from pellucid.distributed.fused_all_reduce import fused_all_reduce_add_norm    # imports Triton
+            _TP.fused_add_norm = fused_all_reduce_add_norm(_TP)
     logger.info("tensor-parallel rank %d of %d on %s (%s, all-reduce %s, pid %d)", rank, size, device, backend,
                 "symm_mem + nccl" if _TP.small_all_reduce is not None else backend, os.getpid())
     return _TP

@@ -90,6 +90,11 @@ class Linear(nn.Linear):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the output, before `reduce` (the output itself without tensor parallelism).
+        Skips the module call: only while nothing observes the module."""
+        return linear(x, self.weight, self.local_bias)
+
 
 class MergedLinear:
     """Several nn.Linear modules reading one input, stored as row blocks of one weight (and bias).
@@ -251,7 +256,10 @@ class GatedMLP(nn.Module):
         self.gate_up.merge()
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False`: under tensor parallelism, this rank's partial sums of the down projection, left for
+        the caller's fused all-reduce (which then skips the `down_proj` and `mlp` calls: only while nothing
+        observes them)."""
         merged = merged_projections_enabled() and not is_observed(self.gate_proj, self.up_proj)
         # Decode batches: silu(gate) * up is computed inside the down projection's GEMM, which skips the
         # `act_fn` and `down_proj` calls, so only while nothing observes either.
@@ -259,12 +267,13 @@ class GatedMLP(nn.Module):
                 and skinny_gemm_applies(x, self.down_proj.weight, "skinny_silu_down", self.down_proj.in_features, True)):
             from pellucid.kernels.skinny_gemm import silu_mul_linear
             down = self.down_proj
-            return down.reduce(silu_mul_linear(self.gate_up.merged_output(x), down.weight, down.local_bias))
+            partial = silu_mul_linear(self.gate_up.merged_output(x), down.weight, down.local_bias)
+            return down.reduce(partial) if reduce else partial
         # Otherwise silu(gate) * up can be the epilogue of the gate/up GEMM (skipping `act_fn` only).
         if (merged and not is_observed(self.act_fn)
                 and skinny_gemm_applies(x, self.gate_up.weight, "skinny_gate_up_silu", x.shape[-1])):
             from pellucid.kernels.skinny_paired import gate_up_silu_linear
-            return self.down_proj(gate_up_silu_linear(x, *self.gate_up.merged_parameters()))
+            return self._down(gate_up_silu_linear(x, *self.gate_up.merged_parameters()), reduce)
         if merged:
             gate, up = self.gate_up(x)
         else:
@@ -272,8 +281,11 @@ class GatedMLP(nn.Module):
         # The fused kernel skips the `act_fn` call, so it runs only while nothing observes that site.
         if fused_kernels_enabled(x, "silu_and_mul") and not is_observed(self.act_fn):
             from pellucid.kernels.silu_and_mul import silu_and_mul as fused_silu_and_mul
-            return self.down_proj(fused_silu_and_mul(gate, up))
-        return self.down_proj(self.act_fn(gate) * up)
+            return self._down(fused_silu_and_mul(gate, up), reduce)
+        return self._down(self.act_fn(gate) * up, reduce)
+
+    def _down(self, hidden: torch.Tensor, reduce: bool) -> torch.Tensor:
+        return self.down_proj(hidden) if reduce else self.down_proj.partial(hidden)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,9 @@ from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.layers import (GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, TopKRowsMlp, add_rms_norm,
                                     is_observed, merged_projections_enabled, qk_norm_rotary, skinny_gemm_applies)
-from pellucid.models.parallel_layers import (column_linear, lm_head_linear, mark_sites, row_linear, unit_shard,
-                                             vocab_embedding)
+from pellucid.models.parallel_layers import (all_reduce_add_rms_norm, begin_forward, column_linear,
+                                             fused_reduction_applies, lm_head_linear, mark_sites, row_linear,
+                                             unit_shard, vocab_embedding)
 from pellucid.models.registry import register_model
 
 
@@ -86,11 +87,13 @@ class DecoderAttention(nn.Module):
         self.qkv.merge()
         return self
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False`: under tensor parallelism, this rank's partial sums of o_proj, left for the caller's
+        fused all-reduce (which then skips the `o_proj` and `self_attn` calls: only while nothing observes them)."""
         num_tokens = hidden_states.shape[0]
         positions = get_forward_context().positions[:num_tokens]
         if self._rotary_in_projection(hidden_states):
-            return self.o_proj(self.attn(*self._projection_with_rotary(hidden_states, positions)))
+            return self._out(self.attn(*self._projection_with_rotary(hidden_states, positions)), reduce)
         if merged_projections_enabled() and not is_observed(self.q_proj, self.k_proj, self.v_proj):
             query, key, value = self.qkv(hidden_states)
         else:
@@ -99,7 +102,8 @@ class DecoderAttention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self._norm_rotary_in_attention(query):
-            return self.o_proj(self.attn.forward_qk_norm_rotary(query, self._qk_norm_rotary(key, value, positions)))
+            return self._out(self.attn.forward_qk_norm_rotary(query, self._qk_norm_rotary(key, value, positions)),
+                             reduce)
         # The rotary kernel may store K/V in the cache itself, unless a hook could still change them after it.
         kv_store = None
         if fused_kernels_enabled(query, "rotary_kv_store") and not is_observed(self.rotary_emb, self.attn):
@@ -108,7 +112,10 @@ class DecoderAttention(nn.Module):
             query, key = qk_norm_rotary(positions, query, key, self.q_norm, self.k_norm, self.rotary_emb, kv_store)
         else:
             query, key = self.rotary_emb(positions, query, key, kv_store=kv_store)
-        return self.o_proj(self.attn(query, key, value, kv_store=kv_store))
+        return self._out(self.attn(query, key, value, kv_store=kv_store), reduce)
+
+    def _out(self, attention: torch.Tensor, reduce: bool) -> torch.Tensor:
+        return self.o_proj(attention) if reduce else self.o_proj.partial(attention)
 
     def _norm_rotary_in_attention(self, query: torch.Tensor) -> bool:
         """Whether the attention backend applies the q/k norm + rotary and stores K/V itself (a decode step
@@ -186,16 +193,24 @@ class DecoderLayer(nn.Module):
         """
         if normed is None:
             normed = self.input_layernorm(residual)
-        attn_out = self.self_attn(normed)
-        if is_observed(self.post_attention_layernorm):
-            residual = residual + attn_out
-            normed = self.post_attention_layernorm(residual)
+        attn = self.self_attn
+        norm = self.post_attention_layernorm
+        if not is_observed(attn, attn.o_proj, norm) and fused_reduction_applies(attn.o_proj, residual, norm.weight):
+            residual, normed = all_reduce_add_rms_norm(attn(normed, reduce=False), residual, norm.weight,
+                                                       norm.variance_epsilon)
+        elif is_observed(norm):
+            residual = residual + attn(normed)
+            normed = norm(residual)
         else:
-            residual, normed = add_rms_norm(attn_out, residual, self.post_attention_layernorm)
+            residual, normed = add_rms_norm(attn(normed), residual, norm)
         if next_norm is None:
             return residual + self.mlp(normed), None
         if isinstance(self.mlp, TopKRowsMlp) and self.mlp.top_k_rows_apply(normed):
             return add_rms_norm(self.mlp.forward_top_k_rows(normed), residual, next_norm)  # sums the experts' rows
+        if (isinstance(self.mlp, GatedMLP) and not is_observed(self.mlp, self.mlp.down_proj)
+                and fused_reduction_applies(self.mlp.down_proj, residual, next_norm.weight)):
+            return all_reduce_add_rms_norm(self.mlp(normed, reduce=False), residual, next_norm.weight,
+                                           next_norm.variance_epsilon)
         return add_rms_norm(self.mlp(normed), residual, next_norm)
 
 
@@ -221,6 +236,7 @@ class DecoderModel(nn.Module):
         token embeddings, e.g. Qwen3-Omni's talker, calls this)."""
         normed: torch.Tensor | None = None    # the next layer's input_layernorm output, when fused ahead
         num_layers = len(self.layers)
+        begin_forward()
         for i, layer in enumerate(self.layers):
             following = self.layers[i + 1] if i + 1 < num_layers else None
             next_norm = following.input_layernorm if following is not None else self.norm

@@ -89,6 +89,35 @@ class RowParallelLinear(Linear):
         return self.reduce(linear(x, self.weight, None))
 
 
+def fused_reduction_applies(projection: nn.Module, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether `projection`'s all-reduce, the residual add and the RMSNorm after it can run as one kernel
+    (pellucid.distributed.fused_all_reduce): a row-parallel projection without bias, under tensor parallelism
+    with that kernel set up, for a batch it takes. The caller checks that nothing observes what it skips."""
+    from pellucid.kernels import fused_kernels_enabled
+
+    tp = _tp()
+    fused = tp.fused_add_norm if tp is not None else None
+    return (fused is not None and isinstance(projection, RowParallelLinear) and projection.bias is None
+            and fused_kernels_enabled(residual, "tp_all_reduce_add_rms_norm")
+            and fused.accepts(residual, residual, norm_weight))
+
+
+def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + the ranks' sum of `partial`, its RMSNorm) from one kernel; only where
+    fused_reduction_applies."""
+    tp = _tp()
+    assert tp is not None and tp.fused_add_norm is not None
+    return tp.fused_add_norm(partial.contiguous(), residual, norm_weight, eps)
+
+
+def begin_forward() -> None:
+    """A forward starts: the fused all-reduce's calls count from the first again (fused_all_reduce.py)."""
+    tp = _tp()
+    if tp is not None and tp.fused_add_norm is not None:
+        tp.fused_add_norm.begin_forward()
+
+
 def row_linear(in_units: int, unit: int, out_features: int, bias: bool, dtype: torch.dtype,
                device: torch.device | str, what: str) -> Linear:
     """Linear(in_units * unit, out_features), row-parallel under tensor parallelism."""

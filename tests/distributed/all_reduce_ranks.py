@@ -5,7 +5,12 @@ output). Run by tests/distributed/test_all_reduce.py (gloo) and tests/gpu/test_a
 
     python tests/distributed/all_reduce_ranks.py --device cuda --all-reduce symm_mem
 
-Prints "all-reduce in use: ..." (rank 0) and "rank R: N checks passed"; exits non-zero on a mismatch.
+With symm_mem on CUDA it also checks the all-reduce fused with the residual add and RMSNorm
+(pellucid.distributed.fused_all_reduce) against the float32 sum of every rank's message, rounded once, and
+the add + norm kernel: bit for bit, eagerly and in a CUDA graph of 64 chained calls replayed on new inputs.
+
+Prints "all-reduce in use: ..." and "fused add + norm: ..." (rank 0) and "rank R: N checks passed"; exits
+non-zero on a mismatch.
 """
 from __future__ import annotations
 
@@ -87,6 +92,73 @@ def _graph_checks(tp, device, generator) -> int:
     return count
 
 
+def _fused_reference(tp, partial, residual, weight, eps):
+    """The fused kernel's result computed apart: every rank's message gathered and summed in float32 in rank
+    order, rounded once, then the add + norm kernel."""
+    from pellucid.kernels.add_rms_norm import add_rms_norm
+    parts = tp.all_gather(partial).view(tp.size, *partial.shape).float()
+    total = parts[0]
+    for r in range(1, tp.size):
+        total = total + parts[r]
+    return add_rms_norm(total.to(partial.dtype), residual, weight, eps)
+
+
+def _check_fused(got, expected, what: str) -> None:
+    for name, a, b in zip(("residual", "normed"), got, expected):
+        if not torch.equal(a, b):
+            raise AssertionError(f"{what}: {name} differs, max |diff| {(a.float() - b.float()).abs().max().item()}")
+
+
+def _fused_checks(tp, device, generator) -> int:
+    fused = tp.fused_add_norm
+    count = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 3, 17, 64):
+            for hidden in (64, 1000, 4096, 5120):
+                partial, residual = (_random((rows, hidden), dtype, device, generator) for _ in range(2))
+                weight = (torch.rand(hidden, generator=generator) + 0.5).to(device, dtype)
+                fused.begin_forward()
+                for _ in range(3):      # both halves of the buffer, and back
+                    expected = _fused_reference(tp, partial, residual, weight, 1e-6)
+                    _check_fused(fused(partial, residual, weight, 1e-6), expected, f"fused {dtype} {rows}x{hidden}")
+                    count += 1
+    # A CUDA graph of a decode step's chain: each call's residual is the previous call's.
+    first = torch.zeros(2, 4096, dtype=torch.bfloat16, device=device)
+    partials = [torch.zeros(2, 4096, dtype=torch.bfloat16, device=device) for _ in range(64)]
+    weight = (torch.rand(4096, generator=generator) + 0.5).to(device, torch.bfloat16)
+
+    def step():
+        fused.begin_forward()
+        residual, outs = first, []
+        for x in partials:
+            residual, normed = fused(x, residual, weight, 1e-5)
+            outs.append((residual, normed))
+        return outs
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for replay in range(3):
+        first.copy_(_random(first.shape, first.dtype, device, generator))
+        for x in partials:
+            x.copy_(_random(x.shape, x.dtype, device, generator))
+        graph.replay()
+        residual = first
+        for i, (x, got) in enumerate(zip(partials, outs)):
+            expected = _fused_reference(tp, x, residual, weight, 1e-5)
+            _check_fused(got, expected, f"graph replay {replay}, call {i}")
+            residual = expected[0]
+        count += len(partials)
+    torch.cuda.synchronize()
+    return count
+
+
 def _rank(rank: int, size: int, device_type: str, init_method: str, all_reduce: str) -> None:
     import torch.distributed as dist
 
@@ -96,10 +168,13 @@ def _rank(rank: int, size: int, device_type: str, init_method: str, all_reduce: 
     if rank == 0:
         in_use = "symm_mem" if tp.small_all_reduce is not None else dist.get_backend(tp.group)
         print(f"all-reduce in use: {in_use}", flush=True)
+        print(f"fused add + norm: {'yes' if tp.fused_add_norm is not None else 'no'}", flush=True)
     generator = torch.Generator().manual_seed(1000 + rank)
     count = _eager_checks(tp, device, generator)
     if device_type == "cuda":
         count += _graph_checks(tp, device, generator)
+    if tp.fused_add_norm is not None:
+        count += _fused_checks(tp, device, generator)
     print(f"rank {rank}: {count} checks passed", flush=True)
     tp.all_gather_object(None)      # every rank done before any leaves
     # Out without tearing the process groups down: NCCL's teardown after graph captures can hang (pytorch

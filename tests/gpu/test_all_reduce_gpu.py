@@ -1,6 +1,7 @@
 """The symmetric-memory all-reduce on 2 GPUs equals NCCL's on random inputs of several sizes and dtypes
-(the messages it does not take go to NCCL), eagerly and inside CUDA graphs (tests/distributed/
-all_reduce_ranks.py). Skipped without 2 CUDA devices."""
+(the messages it does not take go to NCCL), eagerly and inside CUDA graphs, and the all-reduce fused with the
+residual add + RMSNorm equals the sum, add and norm apart, bit for bit (tests/distributed/all_reduce_ranks.py).
+Skipped without 2 CUDA devices."""
 from __future__ import annotations
 
 import os
@@ -21,4 +22,5 @@ def test_symm_mem_all_reduce_equals_nccl_on_two_gpus():
                          capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all-reduce in use: symm_mem" in run.stdout, run.stdout + run.stderr
+    assert "fused add + norm: yes" in run.stdout, run.stdout + run.stderr
     assert "rank 0: " in run.stdout and "rank 1: " in run.stdout
