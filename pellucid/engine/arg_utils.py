@@ -39,15 +39,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "rendezvous, any number of machines). Default: env under torchrun, else mp")
     g.add_argument("--all-reduce", choices=ALL_REDUCES, default="nccl",
                    help="the all-reduce of tensor-parallel layers: nccl (gloo on the CPU), or symm_mem: torch's "
-                        "symmetric-memory one-shot kernel for small messages (decode), NCCL for the others, "
-                        "NCCL throughout (logged) where it cannot run (default: nccl)")
+                        "symmetric-memory one-shot kernel for small messages (decode), with the decoder's "
+                        "all-reduce + residual add + RMSNorm fused in one kernel, NCCL for the others, NCCL "
+                        "throughout (logged) where it cannot run (default: nccl)")
     g.add_argument("--attention-backend", default="auto", help="auto, torch, triton")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's default generator")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / prompt_logprobs alternatives a request may ask for (-1: the vocabulary)")
     g.add_argument("--head", default="dense",
-                   help="LM head: dense, flashhead, none (no LM head: the engine serves embeddings only), or a "
-                        "plugin name")
+                   help="LM head: dense, flashhead, none (no LM head: the engine serves embeddings and "
+                        "classifications only), or a plugin name")
     g.add_argument("--head-options", type=json.loads, default=None,
                    help='JSON options for the head, e.g. \'{"probes": 256}\'')
 
