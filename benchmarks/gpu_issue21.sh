@@ -4,7 +4,7 @@
 # Llama-3.1-8B shape at TP 1, 2 (and 4), the all-reduces of a step against NCCL's bandwidth, and on 4 GPUs the
 # Llama-3.1-70B shape (random bf16, drawn at load by each rank) against the per-GPU weight floor and on the
 # throughput workload.
-# Usage (device tool, kind nvidia-h100-x2 or -x4): bash benchmarks/gpu_issue21.sh [SECTION ...]
+# Usage (device tool, kind nvidia-h100-x2 or -x4, or the H200 kinds): bash benchmarks/gpu_issue21.sh [SECTION ...]
 #   sections: allreduce tests decode8b decode70b throughput70b   (default: all that fit the GPU count)
 # On 2 H100s the default (allreduce ~30 s, tests ~150 s, decode8b ~120 s) fits one call of ~300 s; each
 # section's limit below is the most it may take, and none starts past TOTAL_S.
@@ -35,9 +35,11 @@ for s in ${*:-$default}; do
       run decode_8b 150 python3 benchmarks/tp_bench.py decode --model Llama-3.1-8B --tp-sizes "$SIZES" \
         --all-reduce nccl,symm_mem ;;
     decode70b)
-      run decode_70b 300 python3 benchmarks/tp_bench.py decode --model Llama-3.1-70B --tp-sizes 4 --repeats 2 ;;
+      run decode_70b 300 python3 benchmarks/tp_bench.py decode --model Llama-3.1-70B --tp-sizes 4 --repeats 2 \
+        --all-reduce symm_mem,nccl ;;
     throughput70b)
-      run throughput_70b 400 python3 benchmarks/tp_bench.py throughput --model Llama-3.1-70B --tp-size 4 ;;
+      run throughput_70b 400 python3 benchmarks/tp_bench.py throughput --model Llama-3.1-70B --tp-size 4 \
+        --all-reduce symm_mem ;;
   esac
 done
 echo "== done in $SECONDS s" | tee -a "$OUT/summary.md"

@@ -26,6 +26,9 @@ all-reduce, the head's gather) keep the ranks together.
 
 The fused path takes what the unfused one would compute, in one dtype: bfloat16 or float32 rows of at most
 `max_rows` tokens and `max_hidden` columns; any other call keeps the all-reduce and the add + norm kernel.
+A mixture of experts hands over its weighted expert rows unsummed (`top_k` rows per token, as to
+pellucid.kernels.add_rms_norm.add_top_k_rms_norm): each rank sums its token's rows first, so its top-k sum
+launch goes too.
 """
 from __future__ import annotations
 
@@ -52,8 +55,8 @@ FLAG_BYTES = 4
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(partial_ptr, residual_ptr, weight_ptr, residual_out_ptr, out_ptr, buffers_ptr,
                                     num_cols, eps, flags_offset, data_offset, source_bytes, row_bytes,
-                                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                                    PDL: tl.constexpr):
+                                    RANK: tl.constexpr, WORLD: tl.constexpr, TOP_K: tl.constexpr,
+                                    BLOCK: tl.constexpr, PDL: tl.constexpr):
     release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -62,7 +65,13 @@ def _all_reduce_add_rms_norm_kernel(partial_ptr, residual_ptr, weight_ptr, resid
     dtype = partial_ptr.dtype.element_ty
     own_base = tl.load(buffers_ptr + RANK)
     wait_for_previous_kernel(PDL)
-    mine = tl.load(partial_ptr + row * num_cols + cols, mask=mask, other=0.0)
+    if TOP_K == 1:
+        mine = tl.load(partial_ptr + row * num_cols + cols, mask=mask, other=0.0)
+    else:       # a mixture of experts' rows: this rank's sum of the token's k rows, as moe_gemm.sum_top_k's
+        summed = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            summed += tl.load(partial_ptr + (row * TOP_K + j) * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        mine = summed.to(dtype)
     # This rank's row goes to its slot in every other rank's buffer (stores over NVLink need no reply).
     for peer in tl.static_range(WORLD):
         if peer != RANK:
@@ -118,23 +127,29 @@ class FusedAllReduceAddNorm:
     def begin_forward(self) -> None:
         self.calls = 0
 
-    def accepts(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (partial.is_cuda and partial.dtype in DTYPES and partial.dtype == residual.dtype == weight.dtype
-                and partial.dim() == 2 and partial.shape == residual.shape and 0 < partial.shape[0] <= self.max_rows
-                and partial.shape[1] <= self.max_hidden and partial.is_contiguous() and residual.is_contiguous())
+    def accepts(self, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether it takes a batch of this residual stream [T, hidden] and norm weight."""
+        return (residual.is_cuda and residual.dtype in DTYPES and residual.dtype == weight.dtype
+                and residual.dim() == 2 and 0 < residual.shape[0] <= self.max_rows
+                and residual.shape[1] <= self.max_hidden and residual.is_contiguous())
 
-    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`partial` [T, hidden], or with `top_k` > 1 [T * top_k, hidden]: token t's rows t * top_k ...,
+        summed on this rank first (a mixture of experts' weighted expert rows)."""
+        rows, hidden = residual.shape
+        if partial.shape != (rows * top_k, hidden) or partial.dtype != residual.dtype or not partial.is_contiguous():
+            raise ValueError(f"the fused all-reduce needs contiguous partial sums [{rows * top_k}, {hidden}] of "
+                             f"{residual.dtype}, got {tuple(partial.shape)} {partial.dtype}")
         parity = self.calls & 1
         self.calls += 1
-        rows, hidden = partial.shape
         flags, source, _ = self.layout(self.world, self.max_rows, self.max_hidden)
         residual_out, out = torch.empty_like(residual), torch.empty_like(residual)
         block = triton.next_power_of_2(hidden)
         _all_reduce_add_rms_norm_kernel[(rows,)](
             partial, residual, weight, residual_out, out, self.buffer_ptrs, hidden, eps,
             parity * flags, 2 * flags + parity * self.world * source, source, hidden * partial.element_size(),
-            RANK=self.rank, WORLD=self.world, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            RANK=self.rank, WORLD=self.world, TOP_K=top_k, BLOCK=block, num_warps=min(16, max(1, block // 256)),
             **pdl_launch_options(partial))
         return residual_out, out
 

@@ -176,10 +176,12 @@ class RMSNorm(nn.Module):
 @dataclass(frozen=True)
 class TopKRows:
     """An MLP output left unsummed: token t's output is the sum of rows[t * top_k : (t + 1) * top_k] ([T * top_k,
-    hidden]; a mixture of experts' weighted expert outputs). The residual add + RMSNorm after it sums them."""
+    hidden]; a mixture of experts' weighted expert outputs). The residual add + RMSNorm after it sums them.
+    `partial`: under tensor parallelism, this rank's part, which the ranks' all-reduce sums too."""
 
     rows: torch.Tensor
     top_k: int
+    partial: bool = False
 
     def summed(self) -> torch.Tensor:
         """[T, hidden]: each token's rows added in float32 in row order, rounded once (as the fused kernels do)."""
@@ -193,13 +195,15 @@ class TopKRows:
 class TopKRowsMlp(nn.Module):
     """An MLP whose output is a per-token sum of top_k rows and that can hand over the rows unsummed.
 
-    A decoder layer whose residual add + RMSNorm follows the MLP asks `top_k_rows_apply(x)`; when it says
-    yes, it calls `forward_top_k_rows(x)` instead of the module, and the add + norm kernel sums the rows
-    (pellucid.kernels.add_rms_norm.add_top_k_rms_norm): the MLP's own top-k sum launch is gone. An
-    implementation says yes only while no hook observes a module the call skips (its own output included).
+    A decoder layer whose residual add + RMSNorm follows the MLP asks `top_k_rows_apply(x, fused_reduction)`;
+    when it says yes, it calls `forward_top_k_rows(x)` instead of the module, and the add + norm kernel sums the
+    rows (pellucid.kernels.add_rms_norm.add_top_k_rms_norm): the MLP's own top-k sum launch is gone. Under
+    tensor parallelism the rows are this rank's part (`TopKRows.partial`), and only the fused all-reduce + add +
+    norm (`fused_reduction`: parallel_layers.fused_reduction_applies) may take them. An implementation says
+    yes only while no hook observes a module the call skips (its own output included).
     """
 
-    def top_k_rows_apply(self, x: torch.Tensor) -> bool:
+    def top_k_rows_apply(self, x: torch.Tensor, fused_reduction: bool = False) -> bool:
         raise NotImplementedError
 
     def forward_top_k_rows(self, x: torch.Tensor) -> TopKRows:

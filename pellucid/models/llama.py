@@ -27,8 +27,8 @@ from pellucid.kernels import fused_kernels_enabled
 from pellucid.models.layers import (GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, TopKRowsMlp, add_rms_norm,
                                     is_observed, merged_projections_enabled, qk_norm_rotary, skinny_gemm_applies)
 from pellucid.models.parallel_layers import (all_reduce_add_rms_norm, begin_forward, column_linear,
-                                             fused_reduction_applies, lm_head_linear, mark_sites, row_linear,
-                                             unit_shard, vocab_embedding)
+                                             fused_reduction_applies, lm_head_linear, mark_sites,
+                                             reduces_partial_sums, row_linear, unit_shard, vocab_embedding)
 from pellucid.models.registry import register_model
 
 
@@ -195,7 +195,8 @@ class DecoderLayer(nn.Module):
             normed = self.input_layernorm(residual)
         attn = self.self_attn
         norm = self.post_attention_layernorm
-        if not is_observed(attn, attn.o_proj, norm) and fused_reduction_applies(attn.o_proj, residual, norm.weight):
+        if (not is_observed(attn, attn.o_proj, norm) and reduces_partial_sums(attn.o_proj)
+                and fused_reduction_applies(residual, norm.weight)):
             residual, normed = all_reduce_add_rms_norm(attn(normed, reduce=False), residual, norm.weight,
                                                        norm.variance_epsilon)
         elif is_observed(norm):
@@ -205,10 +206,15 @@ class DecoderLayer(nn.Module):
             residual, normed = add_rms_norm(attn(normed), residual, norm)
         if next_norm is None:
             return residual + self.mlp(normed), None
-        if isinstance(self.mlp, TopKRowsMlp) and self.mlp.top_k_rows_apply(normed):
-            return add_rms_norm(self.mlp.forward_top_k_rows(normed), residual, next_norm)  # sums the experts' rows
-        if (isinstance(self.mlp, GatedMLP) and not is_observed(self.mlp, self.mlp.down_proj)
-                and fused_reduction_applies(self.mlp.down_proj, residual, next_norm.weight)):
+        fused_reduction = fused_reduction_applies(residual, next_norm.weight)
+        if isinstance(self.mlp, TopKRowsMlp) and self.mlp.top_k_rows_apply(normed, fused_reduction):
+            rows = self.mlp.forward_top_k_rows(normed)      # the experts' rows, summed by what follows
+            if rows.partial:        # this rank's part: summed over the ranks too
+                return all_reduce_add_rms_norm(rows.rows, residual, next_norm.weight, next_norm.variance_epsilon,
+                                               rows.top_k)
+            return add_rms_norm(rows, residual, next_norm)
+        if (fused_reduction and isinstance(self.mlp, GatedMLP) and reduces_partial_sums(self.mlp.down_proj)
+                and not is_observed(self.mlp, self.mlp.down_proj)):
             return all_reduce_add_rms_norm(self.mlp(normed, reduce=False), residual, next_norm.weight,
                                            next_norm.variance_epsilon)
         return add_rms_norm(self.mlp(normed), residual, next_norm)

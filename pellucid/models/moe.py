@@ -140,12 +140,13 @@ class FusedExperts(nn.Module):
 
     def forward_rows(self, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                      layout: Any = None) -> TopKRows:
-        """The fused kernels' output before their top-k sum (SparseMoeBlock.forward_top_k_rows); one rank only."""
-        if not fused_kernels_enabled(hidden_states, "moe") or self.shard is not None:
-            raise ValueError("the experts' unsummed rows exist only on the fused kernels' path, on one rank")
+        """The fused kernels' output before their top-k sum (SparseMoeBlock.forward_top_k_rows); under tensor
+        parallelism this rank's part, not all-reduced (`TopKRows.partial`)."""
+        if not fused_kernels_enabled(hidden_states, "moe"):
+            raise ValueError("the experts' unsummed rows exist only on the fused kernels' path")
         from pellucid.kernels.fused_moe import fused_expert_rows
         rows = fused_expert_rows(hidden_states, self.gate_up_proj, self.down_proj, ids, weights, layout)
-        return TopKRows(rows, ids.shape[1])
+        return TopKRows(rows, ids.shape[1], partial=self.shard is not None)
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -176,8 +177,9 @@ class FusedExperts(nn.Module):
 class SparseMoeBlock(TopKRowsMlp):
     """`mlp` of a mixture-of-experts layer: experts(x, route(gate(x))) [+ sigmoid(shared_expert_gate(x)) * shared_expert(x)].
 
-    Without a shared expert, on one rank and on the fused kernels' path it can hand its experts' rows to the
-    residual add + RMSNorm after it unsummed (TopKRowsMlp), while neither it nor `experts` is observed.
+    Without a shared expert and on the fused kernels' path it can hand its experts' rows to the residual add +
+    RMSNorm after it unsummed (TopKRowsMlp), while neither it nor `experts` is observed: on one rank, or under
+    tensor parallelism to the fused all-reduce + add + norm.
     """
 
     def __init__(self, spec: MoeSpec, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
@@ -201,9 +203,10 @@ class SparseMoeBlock(TopKRowsMlp):
             out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
         return out
 
-    def top_k_rows_apply(self, x: torch.Tensor) -> bool:
-        return (self.shared_expert is None and self.experts.shard is None and fused_kernels_enabled(x, "moe")
-                and fused_kernels_enabled(x, "add_rms_norm_top_k") and not is_observed(self, self.experts))
+    def top_k_rows_apply(self, x: torch.Tensor, fused_reduction: bool = False) -> bool:
+        on_one_rank = self.experts.shard is None and fused_kernels_enabled(x, "add_rms_norm_top_k")
+        return (self.shared_expert is None and (on_one_rank or (self.experts.shard is not None and fused_reduction))
+                and fused_kernels_enabled(x, "moe") and not is_observed(self, self.experts))
 
     def forward_top_k_rows(self, x: torch.Tensor) -> TopKRows:
         return self.experts.forward_rows(x, *self._route(x))

@@ -89,26 +89,31 @@ class RowParallelLinear(Linear):
         return self.reduce(linear(x, self.weight, None))
 
 
-def fused_reduction_applies(projection: nn.Module, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    """Whether `projection`'s all-reduce, the residual add and the RMSNorm after it can run as one kernel
-    (pellucid.distributed.fused_all_reduce): a row-parallel projection without bias, under tensor parallelism
-    with that kernel set up, for a batch it takes. The caller checks that nothing observes what it skips."""
+def fused_reduction_applies(residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether a layer's all-reduce, the residual add and the RMSNorm after it can run as one kernel
+    (pellucid.distributed.fused_all_reduce): under tensor parallelism with that kernel set up, for a batch it
+    takes. The caller checks that its partial sums need only the all-reduce (a row-parallel projection without
+    bias: `reduces_partial_sums`) and that nothing observes what it skips."""
     from pellucid.kernels import fused_kernels_enabled
 
     tp = _tp()
     fused = tp.fused_add_norm if tp is not None else None
-    return (fused is not None and isinstance(projection, RowParallelLinear) and projection.bias is None
-            and fused_kernels_enabled(residual, "tp_all_reduce_add_rms_norm")
-            and fused.accepts(residual, residual, norm_weight))
+    return (fused is not None and fused_kernels_enabled(residual, "tp_all_reduce_add_rms_norm")
+            and fused.accepts(residual, norm_weight))
 
 
-def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def reduces_partial_sums(projection: nn.Module) -> bool:
+    """A row-parallel projection without bias: its output is the ranks' all-reduced partial sums, nothing more."""
+    return isinstance(projection, RowParallelLinear) and projection.bias is None
+
+
+def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + the ranks' sum of `partial`, its RMSNorm) from one kernel; only where
-    fused_reduction_applies."""
+    fused_reduction_applies. With `top_k` > 1, `partial` holds each token's top_k rows, summed first."""
     tp = _tp()
     assert tp is not None and tp.fused_add_norm is not None
-    return tp.fused_add_norm(partial.contiguous(), residual, norm_weight, eps)
+    return tp.fused_add_norm(partial.contiguous(), residual, norm_weight, eps, top_k)
 
 
 def begin_forward() -> None:

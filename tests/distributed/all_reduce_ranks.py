@@ -92,10 +92,14 @@ def _graph_checks(tp, device, generator) -> int:
     return count
 
 
-def _fused_reference(tp, partial, residual, weight, eps):
-    """The fused kernel's result computed apart: every rank's message gathered and summed in float32 in rank
-    order, rounded once, then the add + norm kernel."""
+def _fused_reference(tp, partial, residual, weight, eps, top_k=1):
+    """The fused kernel's result computed apart: each rank's rows summed per token (top_k > 1: a mixture of
+    experts' rows, TopKRows.summed), every rank's message gathered and summed in float32 in rank order, rounded
+    once, then the add + norm kernel."""
     from pellucid.kernels.add_rms_norm import add_rms_norm
+    from pellucid.models.layers import TopKRows
+    if top_k > 1:
+        partial = TopKRows(partial, top_k).summed()
     parts = tp.all_gather(partial).view(tp.size, *partial.shape).float()
     total = parts[0]
     for r in range(1, tp.size):
@@ -122,6 +126,14 @@ def _fused_checks(tp, device, generator) -> int:
                     expected = _fused_reference(tp, partial, residual, weight, 1e-6)
                     _check_fused(fused(partial, residual, weight, 1e-6), expected, f"fused {dtype} {rows}x{hidden}")
                     count += 1
+    for top_k in (2, 8):        # a mixture of experts' weighted rows, summed on each rank first
+        for rows in (1, 5):
+            partial = _random((rows * top_k, 2048), torch.bfloat16, device, generator)
+            residual = _random((rows, 2048), torch.bfloat16, device, generator)
+            weight = (torch.rand(2048, generator=generator) + 0.5).to(device, torch.bfloat16)
+            expected = _fused_reference(tp, partial, residual, weight, 1e-6, top_k)
+            _check_fused(fused(partial, residual, weight, 1e-6, top_k), expected, f"fused top-{top_k} {rows} rows")
+            count += 1
     # A CUDA graph of a decode step's chain: each call's residual is the previous call's.
     first = torch.zeros(2, 4096, dtype=torch.bfloat16, device=device)
     partials = [torch.zeros(2, 4096, dtype=torch.bfloat16, device=device) for _ in range(64)]

@@ -2,8 +2,8 @@
 interpreter, as rank 0 of 2 with rank 1 played by the test: rank 1's rows and flags are written into rank 0's
 buffer first, as rank 1's kernel would have, then rank 0's kernel must write its rows and raise its flags in
 rank 1's buffer, consume rank 1's flags in its own, and give the float32 sum of both ranks' rows, rounded once,
-added to the residual and normalised, as torch computes them. Both halves of the buffer (consecutive calls) and several
-row counts. The two-GPU run is tests/gpu/test_all_reduce_gpu.py; this one runs in a subprocess, since
+added to the residual and normalised, as torch computes them. Both halves of the buffer (consecutive calls), several
+row counts, and a mixture of experts' rows (top_k per token, summed on the rank first). The two-GPU run is tests/gpu/test_all_reduce_gpu.py; this one runs in a subprocess, since
 TRITON_INTERPRET must be set before triton is imported."""
 from __future__ import annotations
 
@@ -47,21 +47,23 @@ def run_cases() -> None:
         start = 2 * flags_bytes + (parity * world + source) * source_bytes
         return buffers[rank][start:start + rows * HIDDEN * 4].view(torch.float32).view(rows, HIDDEN)
 
-    for call, rows in enumerate((1, 3, MAX_ROWS, 2)):
+    for call, (rows, top_k) in enumerate(((1, 1), (3, 1), (MAX_ROWS, 1), (2, 1), (3, 4))):
         parity = call % 2
-        mine, theirs, residual = (torch.randn(rows, HIDDEN, generator=generator) for _ in range(3))
+        theirs, residual = (torch.randn(rows, HIDDEN, generator=generator) for _ in range(2))
+        expert_rows = torch.randn(rows * top_k, HIDDEN, generator=generator)    # top_k > 1: a mixture of experts'
+        mine = expert_rows.view(rows, top_k, HIDDEN).sum(dim=1)
         weight = torch.rand(HIDDEN, generator=generator) + 0.5
         rows_in(0, 1, parity, rows).copy_(theirs)       # rank 1 has written its rows into rank 0's buffer ...
         flags(0, parity)[:rows, 1] = 1                  # ... and raised its flags in rank 0's buffer
-        stream, normed = fused(mine, residual, weight, 1e-6)
+        stream, normed = fused(expert_rows, residual, weight, 1e-6, top_k)
         assert torch.equal(flags(1, parity)[:rows, 0], torch.ones(rows, dtype=torch.int32)), "rank 0 raised its flags"
         assert int(flags(0, parity).abs().sum()) == 0, "rank 0 consumed rank 1's flags"
-        assert torch.equal(rows_in(1, 0, parity, rows), mine), "rank 0 wrote its rows into rank 1's buffer"
+        torch.testing.assert_close(rows_in(1, 0, parity, rows), mine, rtol=1e-6, atol=1e-6)   # rank 0's rows, sent
         expected_stream = residual + (mine + theirs)
-        torch.testing.assert_close(stream, expected_stream, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(stream, expected_stream, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(normed, _rms_norm_reference(expected_stream, weight, 1e-6), rtol=1e-5, atol=1e-5)
         flags(1, parity).zero_()                        # rank 1 consumes rank 0's flags
-    assert fused.calls == 4 and FLAG_BYTES == 4
+    assert fused.calls == 5 and FLAG_BYTES == 4
     fused.begin_forward()
     assert fused.calls == 0
     print("fused all-reduce cases passed")

@@ -102,3 +102,20 @@ def test_more_ranks_than_gpus_is_a_startup_error(tiny_model_factory):
     count = torch.cuda.device_count()
     with pytest.raises(EngineStartupError, match=f"needs {count + 1} GPUs"):
         LLM(tiny_model_factory("qwen3", num_hidden_layers=2), tensor_parallel_size=count + 1, **KWARGS)
+
+
+def test_moe_tp2_with_the_fused_reduction_equals_tp1(tiny_model_factory, capfd):
+    """A mixture of experts at TP=2 with symm_mem: the experts' unsummed rows go to the fused all-reduce + add +
+    norm (each rank sums its part of a token's rows first); float32 greedy tokens equal TP=1's."""
+    from pellucid.llm import LLM
+    from pellucid.sampling_params import SamplingParams
+    model_dir = tiny_model_factory("qwen3-moe", num_hidden_layers=3)
+    prompts = _prompts(5, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, **KWARGS).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model_dir, tensor_parallel_size=2, engine_process=True, all_reduce="symm_mem", **KWARGS)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        llm.shutdown()
+    assert FUSED_ACTIVE in capfd.readouterr().err
