@@ -48,10 +48,15 @@ class ModelConfig:
     # The stage of a multi-stage checkpoint this engine serves (Qwen3-Omni: "thinker", "talker", "code2wav");
     # None for a single model. A pipeline (pellucid.pipeline) sets it for each of its engines.
     submodel: str | None = None
+    # vLLM's hf_overrides: fields set on the model's config.json as it is read (a nested dict updates a nested
+    # config), e.g. {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}.
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the vocabulary, got {self.max_logprobs!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config fields, got {self.hf_overrides!r}")
 
 
 @dataclass

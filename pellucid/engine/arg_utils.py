@@ -51,6 +51,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "classifications only), or a plugin name")
     g.add_argument("--head-options", type=json.loads, default=None,
                    help='JSON options for the head, e.g. \'{"probes": 256}\'')
+    g.add_argument("--hf-overrides", type=json.loads, default=None,
+                   help="JSON fields set on the model's config.json as it is read (vLLM's), e.g. '{\"architectures\": "
+                        "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+                        "\"is_original_qwen3_reranker\": true}' serves Qwen3-Reranker as a cross-encoder")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -64,4 +68,5 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 async_scheduling=args.async_scheduling, engine_process=args.engine_process,
                 attention_backend=args.attention_backend, seed=args.seed, max_logprobs=args.max_logprobs,
                 head=args.head, head_options=args.head_options, tensor_parallel_size=args.tensor_parallel_size,
-                distributed_executor_backend=args.distributed_executor_backend, all_reduce=args.all_reduce)
+                distributed_executor_backend=args.distributed_executor_backend, all_reduce=args.all_reduce,
+                hf_overrides=args.hf_overrides)

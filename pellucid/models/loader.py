@@ -32,22 +32,39 @@ RANDOM_WEIGHTS_FILE = "pellucid_random_weights.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def read_hf_config(model_dir: str) -> Any:
+def read_hf_config(model_dir: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The model's transformers config, with `overrides` (vLLM's hf_overrides) set on it."""
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
-    return AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    _override(config, overrides or {})
+    return config
+
+
+def _override(config: Any, overrides: dict[str, Any]) -> None:
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            _override(current, value)       # a nested config (a text_config, ...): its own fields
+        else:
+            setattr(config, key, value)
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
-               max_model_len: int | None = None, submodel: str | None = None) -> tuple[nn.Module, Any]:
+               max_model_len: int | None = None, submodel: str | None = None,
+               hf_overrides: dict[str, Any] | None = None) -> tuple[nn.Module, Any]:
     """Return (model in eval mode on `device` with every parameter loaded, hf_config).
 
     `submodel`: the stage of a multi-stage checkpoint to load (Qwen3-Omni's "thinker", "talker",
     "code2wav"); its model reads only its own tensors (`checkpoint_prefixes`) and the config returned is
-    the one the engine sizes itself by (`engine_hf_config`, e.g. the thinker's text config)."""
-    hf_config = read_hf_config(model_dir)
+    the one the engine sizes itself by (`engine_hf_config`, e.g. the thinker's text config). A model may
+    derive parameters from the checkpoint itself (`derived_parameters`, filled by its `finish_loading(model_dir)`
+    once every other parameter is loaded)."""
+    hf_config = read_hf_config(model_dir, hf_overrides)
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"{os.path.join(model_dir, 'config.json')} names no architecture (`architectures` is empty)")
@@ -68,6 +85,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
         _draw_random_weights(model, random_spec)
     else:
         _load_weights(model, model_dir)
+    finish = getattr(model, "finish_loading", None)
+    if finish is not None:
+        with torch.no_grad():
+            finish(model_dir)
     model.eval()
     logger.info("loaded %s%s from %s (%s, %s)", architectures[0], f" ({submodel})" if submodel else "", model_dir,
                 dtype, device)
@@ -144,7 +165,8 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     if unexpected:
         raise ValueError(f"checkpoint in {model_dir} has tensors the model does not use (config mismatch?): "
                          f"{_first(unexpected)}")
-    missing = sorted(name for name, param in params.items() if filled[name] < param.numel())
+    derived = getattr(model, "derived_parameters", ())
+    missing = sorted(name for name, param in params.items() if filled[name] < param.numel() and name not in derived)
     if bare and missing == ["lm_head.weight"]:
         # The backbone alone with an untied config (Qwen3-Embedding-8B ships so): an embedding model, served
         # without an LM head (heads/none.py), which refuses every request that would read its tokens.
@@ -274,6 +296,18 @@ def read_tensors(model_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
             refuse_raw_codes(name, stored)
             tensors[name] = stored.read()
     return tensors
+
+
+def read_rows(model_dir: str, name: str, rows: list[int]) -> torch.Tensor:
+    """Rows `rows` of checkpoint tensor `name` ([len(rows), ...], CPU, stored dtype): only those rows leave the
+    file."""
+    location = {n: path for path, names in checkpoint_files(model_dir).items() for n in names}
+    if name not in location:
+        raise KeyError(f"checkpoint in {model_dir} has no tensor {name!r}")
+    with _open_safetensors(location[name]) as f:
+        stored = _StoredTensor(f, location[name], name)
+        refuse_raw_codes(name, stored)
+        return torch.cat([stored.read_slices(0, [(row, row + 1)]) for row in rows])
 
 
 def read_tensor(path: str, name: str) -> torch.Tensor:

@@ -42,7 +42,7 @@ def build_rank(config: EngineConfig, device: torch.device, make_runner: RunnerFa
 
     def load() -> tuple[nn.Module, Any, int]:
         dtype = resolve_dtype(mc.dtype, str(device), config_dtype(mc.model))
-        model, hf_config = load_model(mc.model, dtype, device, mc.max_model_len, mc.submodel)
+        model, hf_config = load_model(mc.model, dtype, device, mc.max_model_len, mc.submodel, mc.hf_overrides)
         return model, hf_config, resolve_max_model_len(mc.max_model_len, hf_config)
 
     model, hf_config, max_model_len = load() if tp is None else tp.run_on_every_rank("loading the model", load)

@@ -118,3 +118,44 @@ def test_tensor_parallel_classify_equals_tp1(classifiers):
             assert relative_error(torch.tensor(got.outputs.logits), torch.tensor(want.outputs.logits)) <= TOLERANCE
     finally:
         tp2.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-untied"])
+def test_a_causal_lm_read_as_a_classifier_from_its_token_rows(tiny_model_factory, arch):
+    """vLLM's hf_overrides with classifier_from_token (how Qwen3-Reranker is served): the classes' logits are
+    the causal LM's logits of those tokens at the last position, or, two-way, the second's minus the first's;
+    from the LM head's rows (untied) or the embeddings' (tied)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_factory(arch, num_hidden_layers=2)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = [100, 250, 7]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    architecture = "Qwen3ForSequenceClassification"
+    prompts = random_prompts(11, [6, 30, 2])
+    two_way = LLM(model_dir, dtype="float32", device="cpu", hf_overrides={
+        "architectures": [architecture], "classifier_from_token": tokens[:2], "is_original_qwen3_reranker": True})
+    for prompt, out in zip(prompts, two_way.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)):
+        with torch.no_grad():
+            last = hf(torch.tensor([prompt])).logits[0, -1]
+        assert out.outputs.num_classes == 1
+        assert abs(out.outputs.logits[0] - (last[ids[1]] - last[ids[0]]).item()) <= 1e-4
+    query, document = "the fox", "a quick brown fox"
+    pair = tokenizer(query, text_pair=document)["input_ids"]
+    with torch.no_grad():
+        last = hf(torch.tensor([pair])).logits[0, -1]
+    expected = torch.sigmoid(last[ids[1]] - last[ids[0]]).item()
+    assert abs(two_way.score(query, [document], use_tqdm=False)[0].outputs.score - expected) <= 1e-5
+    n_way = LLM(model_dir, dtype="float32", device="cpu",
+                hf_overrides={"architectures": [architecture], "classifier_from_token": tokens})
+    out = n_way.classify([{"prompt_token_ids": prompts[1]}], use_tqdm=False)[0]
+    with torch.no_grad():
+        last = hf(torch.tensor([prompts[1]])).logits[0, -1]
+    assert relative_error(torch.tensor(out.outputs.logits), last[ids]) <= TOLERANCE
+    with pytest.raises(Exception, match="not a token"):
+        LLM(model_dir, dtype="float32", device="cpu",
+            hf_overrides={"architectures": [architecture], "classifier_from_token": ["no-such-token-x"]})
+    with pytest.raises(Exception, match="two classifier_from_token tokens"):
+        LLM(model_dir, dtype="float32", device="cpu", hf_overrides={
+            "architectures": [architecture], "classifier_from_token": tokens, "method": "from_2_way_softmax"})
