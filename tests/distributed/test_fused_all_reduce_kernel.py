@@ -1,8 +1,8 @@
 """The fused all-reduce + residual add + RMSNorm kernel (pellucid.distributed.fused_all_reduce) under the Triton
-interpreter, as rank 0 of 2 with rank 1 played by the test: rank 1's rows and flags are written into rank 0's
-buffer first, as rank 1's kernel would have, then rank 0's kernel must write its rows and raise its flags in
-rank 1's buffer, consume rank 1's flags in its own, and give the float32 sum of both ranks' rows, rounded once,
-added to the residual and normalised, as torch computes them. Both halves of the buffer (consecutive calls), several
+interpreter, as one rank (of 2, and rank 2 of 4) with the others played by the test: their rows and flags are
+written into this rank's buffer first, as their kernels would have, then this rank's kernel must write its rows
+and raise its flags in every other rank's buffer, consume their flags in its own, and give the float32 sum of
+every rank's row in rank order, rounded once, added to the residual and normalised, as torch computes them. Both halves of the buffer (consecutive calls), several
 row counts, and a mixture of experts' rows (top_k per token, summed on the rank first). The two-GPU run is tests/gpu/test_all_reduce_gpu.py; this one runs in a subprocess, since
 TRITON_INTERPRET must be set before triton is imported."""
 from __future__ import annotations
@@ -29,44 +29,51 @@ def _rms_norm_reference(total: torch.Tensor, weight: torch.Tensor, eps: float) -
     return weight * (total * torch.rsqrt(variance + eps))
 
 
-def run_cases() -> None:
+def run_cases(world: int, rank: int) -> None:
+    """This process's kernel as `rank` of `world`; the test plays every other rank."""
     from pellucid.distributed.fused_all_reduce import FLAG_BYTES, FusedAllReduceAddNorm
 
-    world = 2
     flags_bytes, source_bytes, size = FusedAllReduceAddNorm.layout(world, MAX_ROWS, MAX_HIDDEN)
     buffers = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
-    tp = types.SimpleNamespace(rank=0, size=world, device=torch.device("cpu"))
-    fused = FusedAllReduceAddNorm(tp, buffers[0], [b.data_ptr() for b in buffers], MAX_ROWS, MAX_HIDDEN)
-    generator = torch.Generator().manual_seed(0)
+    tp = types.SimpleNamespace(rank=rank, size=world, device=torch.device("cpu"))
+    fused = FusedAllReduceAddNorm(tp, buffers[rank], [b.data_ptr() for b in buffers], MAX_ROWS, MAX_HIDDEN)
+    generator = torch.Generator().manual_seed(world * 10 + rank)
+    others = [r for r in range(world) if r != rank]
 
-    def flags(rank: int, parity: int) -> torch.Tensor:      # [rows, source rank] of rank's buffer, one parity
+    def flags(owner: int, parity: int) -> torch.Tensor:      # [rows, source rank] of owner's buffer, one parity
         start = parity * flags_bytes
-        return buffers[rank][start:start + flags_bytes].view(torch.int32).view(MAX_ROWS, world)
+        return buffers[owner][start:start + flags_bytes].view(torch.int32).view(MAX_ROWS, world)
 
-    def rows_in(rank: int, source: int, parity: int, rows: int) -> torch.Tensor:     # source's rows in rank's buffer
+    def rows_in(owner: int, source: int, parity: int, rows: int) -> torch.Tensor:   # source's rows in owner's buffer
         start = 2 * flags_bytes + (parity * world + source) * source_bytes
-        return buffers[rank][start:start + rows * HIDDEN * 4].view(torch.float32).view(rows, HIDDEN)
+        return buffers[owner][start:start + rows * HIDDEN * 4].view(torch.float32).view(rows, HIDDEN)
 
     for call, (rows, top_k) in enumerate(((1, 1), (3, 1), (MAX_ROWS, 1), (2, 1), (3, 4))):
         parity = call % 2
-        theirs, residual = (torch.randn(rows, HIDDEN, generator=generator) for _ in range(2))
+        residual = torch.randn(rows, HIDDEN, generator=generator)
+        theirs = {r: torch.randn(rows, HIDDEN, generator=generator) for r in others}
         expert_rows = torch.randn(rows * top_k, HIDDEN, generator=generator)    # top_k > 1: a mixture of experts'
         mine = expert_rows.view(rows, top_k, HIDDEN).sum(dim=1)
         weight = torch.rand(HIDDEN, generator=generator) + 0.5
-        rows_in(0, 1, parity, rows).copy_(theirs)       # rank 1 has written its rows into rank 0's buffer ...
-        flags(0, parity)[:rows, 1] = 1                  # ... and raised its flags in rank 0's buffer
+        for r in others:
+            rows_in(rank, r, parity, rows).copy_(theirs[r])      # rank r has written its rows into our buffer ...
+            flags(rank, parity)[:rows, r] = 1                    # ... and raised its flags there
         stream, normed = fused(expert_rows, residual, weight, 1e-6, top_k)
-        assert torch.equal(flags(1, parity)[:rows, 0], torch.ones(rows, dtype=torch.int32)), "rank 0 raised its flags"
-        assert int(flags(0, parity).abs().sum()) == 0, "rank 0 consumed rank 1's flags"
-        torch.testing.assert_close(rows_in(1, 0, parity, rows), mine, rtol=1e-6, atol=1e-6)   # rank 0's rows, sent
-        expected_stream = residual + (mine + theirs)
+        for r in others:
+            assert torch.equal(flags(r, parity)[:rows, rank], torch.ones(rows, dtype=torch.int32)), "flags raised"
+            torch.testing.assert_close(rows_in(r, rank, parity, rows), mine, rtol=1e-6, atol=1e-6)   # rows sent
+            flags(r, parity).zero_()                             # rank r consumes them
+        assert int(flags(rank, parity).abs().sum()) == 0, "the other ranks' flags were consumed"
+        total = None
+        for r in range(world):                                   # float32, in rank order
+            part = mine if r == rank else theirs[r]
+            total = part if total is None else total + part
+        expected_stream = residual + total
         torch.testing.assert_close(stream, expected_stream, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(normed, _rms_norm_reference(expected_stream, weight, 1e-6), rtol=1e-5, atol=1e-5)
-        flags(1, parity).zero_()                        # rank 1 consumes rank 0's flags
     assert fused.calls == 5 and FLAG_BYTES == 4
     fused.begin_forward()
     assert fused.calls == 0
-    print("fused all-reduce cases passed")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -81,4 +88,6 @@ def test_fused_all_reduce_kernel_under_interpreter() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    run_cases()
+    for world, rank in ((2, 0), (2, 1), (4, 2)):
+        run_cases(world, rank)
+    print("fused all-reduce cases passed")
