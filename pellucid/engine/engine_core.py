@@ -79,6 +79,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()   # the ids that end a sequence (their text is not shown)
     computes_logits: bool = True     # False without an LM head: only requests that discard their tokens
     num_labels: int | None = None    # a sequence-classification model's classes (None: it has no `score` head)
+    hf_overrides: dict[str, Any] | None = None   # set on config.json as it was read (frontends read it alike)
     # The decoder's module path: "model" (model.layers.N), or a stage's (Qwen3-Omni's thinker: "thinker.model").
     backbone: str = "model"
     # The traceable sites (pellucid.tracing.sites.SiteTable). In the engine's own process it is probed on
@@ -199,7 +200,7 @@ class EngineCore:
             lm_head=self.runner.head.describe(), tensor_parallel_size=config.parallel.tensor_parallel_size,
             max_logprobs=config.model.max_logprobs, backbone=getattr(self.model, "backbone_path", "model"),
             eos_token_ids=tuple(sorted(self.eos_token_ids)), computes_logits=self.runner.head.computes_logits,
-            num_labels=getattr(self.model, "num_labels", None))
+            num_labels=getattr(self.model, "num_labels", None), hf_overrides=config.model.hf_overrides)
         if probe_sites:
             info._site_table = site_table(self.runner)
         else:

@@ -35,7 +35,8 @@ class Classifier:
         model has no classification head."""
         from pellucid.models.loader import read_hf_config
 
-        return cls(info, getattr(read_hf_config(info.model), "id2label", None) if info.num_labels else None)
+        config = read_hf_config(info.model, info.hf_overrides) if info.num_labels else None
+        return cls(info, getattr(config, "id2label", None))
 
     @staticmethod
     def extras() -> dict[str, Any]:

@@ -33,7 +33,7 @@ class Embedder:
         pooler cannot be served."""
         from pellucid.models.loader import read_hf_config
 
-        return cls(PoolerConfig.for_model(info.model, read_hf_config(info.model), override), info)
+        return cls(PoolerConfig.for_model(info.model, read_hf_config(info.model, info.hf_overrides), override), info)
 
     def extras(self) -> dict[str, Any]:
         """Engine request extras of an embedding request."""

@@ -161,6 +161,11 @@ def test_dimensions_truncate_matryoshka_models_only(tiny_model_factory, backbone
         llm.embed(prompts, PoolingParams(dimensions=24), use_tqdm=False)
     with pytest.raises(ValueError, match="positive integer"):
         llm.embed(prompts, PoolingParams(dimensions=0), use_tqdm=False)
+    # hf_overrides reach the frontend's pooler too: the plain model declared matryoshka serves 16 dimensions.
+    declared = LLM(tiny_model_factory("qwen3"), dtype="float32", device="cpu", num_kv_blocks=64,
+                   hf_overrides={"matryoshka_dimensions": [16, 64]})
+    got = embeddings(declared.embed(prompts[:1], PoolingParams(dimensions=16), use_tqdm=False))[0]
+    assert_close(got, reference(backbone(tiny_model_factory("qwen3")), prompts[0], "last", True, dimensions=16))
 
 
 def test_truncation_keeps_the_last_tokens_and_long_inputs_are_refused(tiny_model_factory, backbone):
