@@ -42,16 +42,18 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, out_
     tl.store(out_ptr + row * stride_out + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 like_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, hidden] (one dtype), weight [hidden] -> (residual + x, rms_norm(residual + x)).
 
     Both outputs are fresh tensors; the inputs are left as they are (the residual may be a traced value).
+    `like_top_k`: x is a mixture of experts' summed rows; the norm's reduction then runs over as many warps as
+    in add_top_k_rms_norm, whose results it must equal bit for bit (the order of a sum follows the warps).
     """
     if x.shape != residual.shape:
         raise ValueError(f"add_rms_norm needs x and residual of one shape, got {tuple(x.shape)} and "
                          f"{tuple(residual.shape)}")
-    return _launch(x, 1, residual, weight, eps)
+    return _launch(x, 1, residual, weight, eps, like_top_k)
 
 
 def add_top_k_rms_norm(rows: torch.Tensor, top_k: int, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -64,8 +66,8 @@ def add_top_k_rms_norm(rows: torch.Tensor, top_k: int, residual: torch.Tensor, w
     return _launch(rows, top_k, residual, weight, eps)
 
 
-def _launch(x: torch.Tensor, top_k: int, residual: torch.Tensor, weight: torch.Tensor, eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x: torch.Tensor, top_k: int, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+            like_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if residual.dim() != 2 or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm needs [T, hidden] activations of one dtype, got {tuple(x.shape)} {x.dtype} "
                          f"and residual {tuple(residual.shape)} {residual.dtype}")
@@ -80,7 +82,7 @@ def _launch(x: torch.Tensor, top_k: int, residual: torch.Tensor, weight: torch.T
         block = triton.next_power_of_2(hidden)
         # One program reads a token's top_k rows: twice the warps keeps more loads in flight (Qwen3-30B-A3B,
         # batch 1, 8 rows of 2048: 2.506 ms/step with 8 warps, 2.462 with 16, 2.508 with 4; H200).
-        warps = min(max(block // 256, 1) * (2 if top_k > 1 else 1), 16)
+        warps = min(max(block // 256, 1) * (2 if top_k > 1 or like_top_k else 1), 16)
         _add_rms_norm_kernel[(residual.shape[0],)](x, residual, weight, residual_out, out, x.stride(0),
                                                    residual.stride(0), residual_out.stride(0), out.stride(0), hidden,
                                                    eps, TOP_K=top_k, BLOCK=block, num_warps=warps,

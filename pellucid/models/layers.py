@@ -210,10 +210,11 @@ class TopKRowsMlp(nn.Module):
         raise NotImplementedError
 
 
-def add_rms_norm(x: torch.Tensor | TopKRows, residual: torch.Tensor, norm: RMSNorm
+def add_rms_norm(x: torch.Tensor | TopKRows, residual: torch.Tensor, norm: RMSNorm, after_top_k: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, norm(residual + x)) in one kernel on CUDA, without calling `norm`'s module; x may be
-    a TopKRows, summed first.
+    a TopKRows, summed first. `after_top_k`: x is a TopKRowsMlp's summed output (the path taken when its rows
+    are observed), normed with the bits of the path that sums the rows here.
 
     Callers use it only while `norm` is not observed (`is_observed`); it does not fire norm's hooks.
     """
@@ -221,7 +222,7 @@ def add_rms_norm(x: torch.Tensor | TopKRows, residual: torch.Tensor, norm: RMSNo
         from pellucid.kernels import add_rms_norm as kernels
         if isinstance(x, TopKRows):
             return kernels.add_top_k_rms_norm(x.rows, x.top_k, residual, norm.weight, norm.variance_epsilon)
-        return kernels.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+        return kernels.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon, like_top_k=after_top_k)
     total = residual + (x.summed() if isinstance(x, TopKRows) else x)
     return total, rms_norm(total, norm.weight, norm.variance_epsilon)
 

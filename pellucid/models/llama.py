@@ -217,7 +217,7 @@ class DecoderLayer(nn.Module):
                 and not is_observed(self.mlp, self.mlp.down_proj)):
             return all_reduce_add_rms_norm(self.mlp(normed, reduce=False), residual, next_norm.weight,
                                            next_norm.variance_epsilon)
-        return add_rms_norm(self.mlp(normed), residual, next_norm)
+        return add_rms_norm(self.mlp(normed), residual, next_norm, after_top_k=isinstance(self.mlp, TopKRowsMlp))
 
 
 class DecoderModel(nn.Module):

@@ -29,15 +29,19 @@ def _rms_norm_reference(total: torch.Tensor, weight: torch.Tensor, eps: float) -
     return weight * (total * torch.rsqrt(variance + eps))
 
 
-def run_cases(world: int, rank: int) -> None:
-    """This process's kernel as `rank` of `world`; the test plays every other rank."""
+def run_cases(world: int, rank: int, device: str = "cpu") -> None:
+    """This process's kernel as `rank` of `world`; the test plays every other rank (every buffer is in this
+    process's memory: on one GPU the kernel runs as on several, without peers)."""
     from pellucid.distributed.fused_all_reduce import FLAG_BYTES, FusedAllReduceAddNorm
 
     flags_bytes, source_bytes, size = FusedAllReduceAddNorm.layout(world, MAX_ROWS, MAX_HIDDEN)
-    buffers = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
-    tp = types.SimpleNamespace(rank=rank, size=world, device=torch.device("cpu"))
+    buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(world)]
+    tp = types.SimpleNamespace(rank=rank, size=world, device=torch.device(device))
     fused = FusedAllReduceAddNorm(tp, buffers[rank], [b.data_ptr() for b in buffers], MAX_ROWS, MAX_HIDDEN)
     generator = torch.Generator().manual_seed(world * 10 + rank)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device)
     others = [r for r in range(world) if r != rank]
 
     def flags(owner: int, parity: int) -> torch.Tensor:      # [rows, source rank] of owner's buffer, one parity
@@ -50,17 +54,17 @@ def run_cases(world: int, rank: int) -> None:
 
     for call, (rows, top_k) in enumerate(((1, 1), (3, 1), (MAX_ROWS, 1), (2, 1), (3, 4))):
         parity = call % 2
-        residual = torch.randn(rows, HIDDEN, generator=generator)
-        theirs = {r: torch.randn(rows, HIDDEN, generator=generator) for r in others}
-        expert_rows = torch.randn(rows * top_k, HIDDEN, generator=generator)    # top_k > 1: a mixture of experts'
+        residual = randn(rows, HIDDEN)
+        theirs = {r: randn(rows, HIDDEN) for r in others}
+        expert_rows = randn(rows * top_k, HIDDEN)        # top_k > 1: a mixture of experts' rows
         mine = expert_rows.view(rows, top_k, HIDDEN).sum(dim=1)
-        weight = torch.rand(HIDDEN, generator=generator) + 0.5
+        weight = torch.rand(HIDDEN, generator=generator).to(device) + 0.5
         for r in others:
             rows_in(rank, r, parity, rows).copy_(theirs[r])      # rank r has written its rows into our buffer ...
             flags(rank, parity)[:rows, r] = 1                    # ... and raised its flags there
         stream, normed = fused(expert_rows, residual, weight, 1e-6, top_k)
         for r in others:
-            assert torch.equal(flags(r, parity)[:rows, rank], torch.ones(rows, dtype=torch.int32)), "flags raised"
+            assert bool((flags(r, parity)[:rows, rank] == 1).all()), "flags raised"
             torch.testing.assert_close(rows_in(r, rank, parity, rows), mine, rtol=1e-6, atol=1e-6)   # rows sent
             flags(r, parity).zero_()                             # rank r consumes them
         assert int(flags(rank, parity).abs().sum()) == 0, "the other ranks' flags were consumed"
@@ -84,6 +88,13 @@ def test_fused_all_reduce_kernel_under_interpreter() -> None:
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fused all-reduce cases passed" in proc.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
+def test_fused_all_reduce_kernel_on_one_gpu() -> None:
+    """The compiled kernel, every rank's buffer on this GPU (the one-rank path of a GPU machine's CI)."""
+    for world, rank in ((2, 0), (2, 1), (4, 2)):
+        run_cases(world, rank, "cuda")
 
 
 if __name__ == "__main__":
