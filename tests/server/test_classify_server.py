@@ -76,3 +76,42 @@ def test_a_classification_model_refuses_generation_and_a_language_model_refuses_
     assert refused.status_code == 400 and "no LM head" in refused.json()["error"]["message"]
     refused = httpx.post(f"{server.url}/classify", json={"input": "hello"}, timeout=60)
     assert refused.status_code == 400 and "not a classification model" in refused.json()["error"]["message"]
+
+
+def test_serve_with_hf_overrides_reads_a_causal_lm_as_a_reranker(tiny_model_factory):
+    """`pellucid serve --hf-overrides` (a real server process, the CLI's flag): a causal LM read as a two-way
+    classifier from its token rows, as Qwen3-Reranker is served; /v1/rerank scores each document with
+    sigmoid(logit(yes) - logit(no)) of transformers' causal LM on the pair."""
+    import json
+    import signal
+
+    from transformers import AutoModelForCausalLM
+
+    from server_harness import PELLUCID_CLI, free_port, start_serve_process, wait_healthy
+
+    model_dir = tiny_model_factory("qwen3", num_hidden_layers=2)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    no, yes = tokenizer.convert_ids_to_tokens([40, 90])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
+                 "is_original_qwen3_reranker": True}
+    port = free_port()
+    proc = start_serve_process(PELLUCID_CLI, model_dir, port, "--dtype", "float32", "--hf-overrides",
+                               json.dumps(overrides))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, timeout=180, interval=0.2)
+        query, documents = "the quick fox", ["a fox", "hello world", "quick brown fox jumps"]
+        reply = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": documents}, timeout=60)
+        assert reply.status_code == 200, reply.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
+    for document in documents:
+        with torch.no_grad():
+            last = hf(torch.tensor([tokenizer(query, text_pair=document)["input_ids"]])).logits[0, -1]
+        expected.append(torch.sigmoid(last[90] - last[40]).item())
+    got = {r["index"]: r["relevance_score"] for r in reply.json()["results"]}
+    assert [r["index"] for r in reply.json()["results"]] == sorted(range(3), key=lambda i: -expected[i])
+    assert all(abs(got[i] - expected[i]) <= 1e-5 for i in range(3))
