@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pellucid.pooling.config import PoolingParams, fit_prompt
-from pellucid.pooling.feature import CLASS_LOGITS, CLASSIFY, POOL_KEY
+from pellucid.pooling.feature import CLASS_LOGITS, CLASSIFY, POOL_KEY, finished_output
 
 
 class Classifier:
@@ -56,7 +56,8 @@ class Classifier:
     def logits(self, outputs: list[Any]) -> torch.Tensor:
         """float32 [len(outputs), num_labels]: the class logits of finished classification requests;
         RuntimeError naming the first that failed."""
-        return torch.stack([self._logits(output) for output in outputs])
+        return torch.stack([finished_output(output, CLASS_LOGITS, "classification", "class logits")
+                            for output in outputs])
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits) if self.num_labels == 1 else torch.softmax(logits, dim=-1)
@@ -66,15 +67,6 @@ class Classifier:
         if self.num_labels != 1:
             raise ValueError(f"scoring text pairs needs an embedding model or a cross-encoder (a classifier with "
                              f"one label); this classifier has {self.num_labels} labels: use classify")
-
-    @staticmethod
-    def _logits(output: Any) -> torch.Tensor:
-        if output.error:
-            raise RuntimeError(f"the classification request {output.request_id} failed: {output.error}")
-        logits = output.extras.get(CLASS_LOGITS)
-        if logits is None:
-            raise RuntimeError(f"the classification request {output.request_id} finished without its class logits")
-        return logits.to(device="cpu", dtype=torch.float32)
 
 
 def pair_ids(tokenizer: Any, first: str, second: str) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pellucid.pooling.config import PoolerConfig, PoolingParams, fit_prompt
-from pellucid.pooling.feature import POOL_KEY, POOLED_HIDDEN
+from pellucid.pooling.feature import POOL_KEY, POOLED_HIDDEN, finished_output
 from pellucid.sampling_params import SamplingParams
 
 # The one sampled token is dropped: greedy and not detokenized, so it costs the head's one row only.
@@ -52,14 +52,7 @@ class Embedder:
     def embeddings(self, outputs: list[Any], params: PoolingParams) -> torch.Tensor:
         """The float32 embeddings [len(outputs), size] of finished embedding requests, pooled, truncated and
         normalised together; RuntimeError naming the first that failed."""
-        pooled = torch.stack([self._pooled(output) for output in outputs])[:, :self.check(params)]
+        pooled = torch.stack([finished_output(output, POOLED_HIDDEN, "embedding", "pooled hidden state")
+                              for output in outputs])[:, :self.check(params)]
         normalize = self.pooler.normalize if params.normalize is None else params.normalize
         return torch.nn.functional.normalize(pooled, dim=1) if normalize else pooled
-
-    def _pooled(self, output: Any) -> torch.Tensor:
-        if output.error:
-            raise RuntimeError(f"the embedding request {output.request_id} failed: {output.error}")
-        pooled = output.extras.get(POOLED_HIDDEN)
-        if pooled is None:
-            raise RuntimeError(f"the embedding request {output.request_id} finished without its pooled hidden state")
-        return pooled.to(device="cpu", dtype=torch.float32)

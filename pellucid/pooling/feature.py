@@ -167,6 +167,17 @@ class _PoolingHook(StepHook):
             state.count += count
 
 
+def finished_output(output: Any, key: str, request_kind: str, what: str) -> torch.Tensor:
+    """The float32 host tensor a finished pooling request carries under `key`; RuntimeError naming the request
+    (`request_kind`: "embedding", "classification") when it failed or finished without it (`what`)."""
+    if output.error:
+        raise RuntimeError(f"the {request_kind} request {output.request_id} failed: {output.error}")
+    value = output.extras.get(key)
+    if value is None:
+        raise RuntimeError(f"the {request_kind} request {output.request_id} finished without its {what}")
+    return value.to(device="cpu", dtype=torch.float32)
+
+
 def _rows(hidden: torch.Tensor, picked: list[tuple[int, Any]]) -> torch.Tensor:
     return hidden.index_select(0, host_to_device([row for row, _ in picked], torch.int64, hidden.device))
 
