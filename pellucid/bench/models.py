@@ -51,7 +51,12 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                           tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
                           rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu"),
 }
-DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B", "Llama-3.1-70B"})
+# The same with its experts stored as the official Qwen3-30B-A3B-FP8 stores them (block-wise FP8, 128 x 128
+# blocks): they stay in FP8 (pellucid.models.fp8_experts); the rest is drawn in bf16, as that checkpoint's
+# dequantized weights load.
+NAMED_CONFIGS["Qwen3-30B-A3B-FP8"] = dict(NAMED_CONFIGS["Qwen3-30B-A3B"], quantization_config=dict(
+    quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128]))
+DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B", "Qwen3-30B-A3B-FP8", "Llama-3.1-70B"})
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

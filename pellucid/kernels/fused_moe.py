@@ -5,7 +5,8 @@ Per MoE layer (pellucid.models.moe calls these while `fused_kernels_enabled(x, "
 2. `route_and_align`: softmax, top-k, renormalisation, then the entries grouped by expert in blocks of
    `block_m` rows (moe_routing.py, two launches);
 3. `fused_experts`: the gate/up grouped GEMM with SiLU-and-mul, the down grouped GEMM weighted by the
-   routing weights, and the sum over each token's experts (moe_gemm.py). `fused_expert_rows` stops before
+   routing weights, and the sum over each token's experts (moe_gemm.py); the expert weights in the
+   activations' dtype, or float8 codes with block scales (pellucid.models.fp8_experts). `fused_expert_rows` stops before
    the sum, for a residual add + RMSNorm that sums the rows itself (pellucid.kernels.add_rms_norm).
 
 Nothing reads device values on the host: buffer sizes and grids depend on the token count alone, so a
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pellucid.kernels.moe_gemm import GemmTile, down_weighted, gate_up_silu, sum_top_k
+from pellucid.models.fp8_experts import FP8_DTYPE
 from pellucid.kernels.moe_routing import ExpertLayout, layout_for, route_and_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -73,30 +75,35 @@ def route_and_align(logits: torch.Tensor, spec, tiles: MoeTiles | None = None
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor, layout: ExpertLayout | None = None, tiles: MoeTiles | None = None
-                  ) -> torch.Tensor:
+                  weights: torch.Tensor, layout: ExpertLayout | None = None, tiles: MoeTiles | None = None,
+                  gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down[ids[t, j]] @ (silu(gate) * up)(x[t]) -> [T, H] in x's dtype.
 
     x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids and weights [T, k]. `layout`: the one route_and_align
-    made for these ids (made here when absent or laid out for other tiles)."""
-    return sum_top_k(fused_expert_rows(x, gate_up, down, ids, weights, layout, tiles), ids.shape[0], ids.shape[1])
+    made for these ids (made here when absent or laid out for other tiles). With `gate_up_scale` and
+    `down_scale` the expert weights are float8 codes and these their block scales (pellucid.models.fp8_experts)."""
+    rows = fused_expert_rows(x, gate_up, down, ids, weights, layout, tiles, gate_up_scale, down_scale)
+    return sum_top_k(rows, ids.shape[0], ids.shape[1])
 
 
 def fused_expert_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor, layout: ExpertLayout | None = None, tiles: MoeTiles | None = None
+                      weights: torch.Tensor, layout: ExpertLayout | None = None, tiles: MoeTiles | None = None,
+                      gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None
                       ) -> torch.Tensor:
     """fused_experts before its top-k sum: [T * k, H], row t * k + j = weights[t, j] * expert ids[t, j]'s output
     for token t (pellucid.kernels.add_rms_norm.add_top_k_rms_norm sums them with the residual add)."""
     num_tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
-    if x.dtype not in SUPPORTED_DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"fused MoE needs one dtype of {SUPPORTED_DTYPES} for the activations and expert weights, "
-                         f"got {x.dtype}, {gate_up.dtype}, {down.dtype}")
+    fp8 = gate_up_scale is not None and down_scale is not None
+    weight_dtype = FP8_DTYPE if fp8 else x.dtype
+    if x.dtype not in SUPPORTED_DTYPES or gate_up.dtype != weight_dtype or down.dtype != weight_dtype:
+        raise ValueError(f"fused MoE needs activations in one of {SUPPORTED_DTYPES} and expert weights in their dtype "
+                         f"(or float8 codes with both block scales), got {x.dtype}, {gate_up.dtype}, {down.dtype}")
     if x.stride(-1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
         raise ValueError("fused MoE needs activations with unit stride along the hidden dimension and contiguous "
                          "expert weights")
     tiles = fit_dtype(tiles or pick_tiles(num_tokens, top_k, num_experts), x.dtype)
     if layout is None or layout.block_m != tiles.block_m:
         layout = layout_for(ids, num_experts, tiles.block_m)
-    h = gate_up_silu(x, gate_up, layout, tiles.gate_up)
-    return down_weighted(h, down, weights.contiguous(), layout, tiles.down)
+    h = gate_up_silu(x, gate_up, layout, tiles.gate_up, gate_up_scale if fp8 else None)
+    return down_weighted(h, down, weights.contiguous(), layout, tiles.down, down_scale if fp8 else None)

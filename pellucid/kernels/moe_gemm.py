@@ -11,6 +11,14 @@ expert's weights:
 - `sum_top_k`: each token's top-k rows summed in float32 (transformers adds them one by one in the
   activation dtype; the sum differs from it by that rounding only).
 
+Expert weights may be float8 codes with block scales (pellucid.models.fp8_experts): each weight tile is then
+dequantized in registers as it is loaded (code * scale in float32, rounded to the activations' dtype), which
+gives the GEMM the load-time dequantized weights' values. In float32 the results are the dequantized weights'
+bit for bit. In 16-bit dtypes they can differ in the last bits: Triton lays out a dot operand that comes from
+8-bit loads with more K elements per thread (kWidth 4 against 2), so the tensor-core instructions take the K
+products in other groups and the float32 sum runs in another order. (An opaque conversion that hides the 8-bit
+origin restores the 16-bit layout and the bits, but measured 1.3-1.8x slower steps: BENCHMARKS.md, issue 19.)
+
 Blocks past the routing's last one (block_expert -1) and rows past a block's count do nothing. Every
 launch size depends on the token count only, so CUDA graphs capture them.
 """
@@ -46,6 +54,17 @@ def _dot(a, b, acc, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _dequantized(w, scale_rows, k0, dtype, SCALE_BK: tl.constexpr, FP8: tl.constexpr):
+    """A weight tile as the GEMM multiplies it: for FP8 codes (pellucid.models.fp8_experts), each code times its
+    block's scale in float32, rounded once to the activations' dtype; `scale_rows` [BLOCK_N] point at each row's
+    scale row (the tile's K columns lie in one scale column)."""
+    if FP8:
+        scale = tl.load(scale_rows + k0 // SCALE_BK)
+        w = (w.to(tl.float32) * scale[:, None]).to(dtype)
+    return w
+
+
+@triton.jit
 def _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M: tl.constexpr):
     """(expert, entries [BLOCK_M], the block's rows in layout order, row mask) of this program's block;
     expert < 0 past the last block."""
@@ -61,8 +80,9 @@ def _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M: tl.conste
 
 @triton.jit
 def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, H, I,
-                         stride_xt, stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         stride_xt, stride_we, stride_wn, stride_ot, scale_ptr, stride_se, stride_sn,
+                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8: tl.constexpr,
                          UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     release_dependents(PDL)
     wait_for_previous_kernel(PDL)
@@ -74,6 +94,9 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, bl
         w_expert = w_ptr + expert.to(tl.int64) * stride_we
         gate_rows = w_expert + safe_n[:, None] * stride_wn
         up_rows = w_expert + (safe_n + I)[:, None] * stride_wn
+        s_expert = scale_ptr + expert.to(tl.int64) * stride_se
+        gate_scales = s_expert + (safe_n // SCALE_BN) * stride_sn
+        up_scales = s_expert + ((safe_n + I) // SCALE_BN) * stride_sn
         x_rows = x_ptr + (entries // TOP_K).to(tl.int64)[:, None] * stride_xt
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -88,6 +111,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, bl
                 a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 wg = tl.load(gate_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
                 wu = tl.load(up_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            wg = _dequantized(wg, gate_scales, k0, a.dtype, SCALE_BK, FP8)
+            wu = _dequantized(wu, up_scales, k0, a.dtype, SCALE_BK, FP8)
             acc_gate = _dot(a, wg, acc_gate, UPCAST_DOT)
             acc_up = _dot(a, wu, acc_up, UPCAST_DOT)
         act_dtype = out_ptr.dtype.element_ty
@@ -100,8 +125,10 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, bl
 
 @triton.jit
 def _down_weighted_kernel(h_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, H, I,
-                          stride_ht, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
+                          stride_ht, stride_we, stride_wn, stride_ot, scale_ptr, stride_se, stride_sn,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, FP8: tl.constexpr,
+                          UPCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     release_dependents(PDL)
     wait_for_previous_kernel(PDL)
     expert, entries, slots, mask_m = _block_rows(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
@@ -110,6 +137,7 @@ def _down_weighted_kernel(h_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_
         mask_n = offs_n < H
         safe_n = tl.where(mask_n, offs_n, 0).to(tl.int64)
         w_rows = w_ptr + expert.to(tl.int64) * stride_we + safe_n[:, None] * stride_wn
+        w_scales = scale_ptr + expert.to(tl.int64) * stride_se + (safe_n // SCALE_BN) * stride_sn
         h_rows = h_ptr + slots[:, None] * stride_ht
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
@@ -121,7 +149,7 @@ def _down_weighted_kernel(h_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_
                 mask_k = offs_k < I
                 a = tl.load(h_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 w = tl.load(w_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
-            acc = _dot(a, w, acc, UPCAST_DOT)
+            acc = _dot(a, _dequantized(w, w_scales, k0, a.dtype, SCALE_BK, FP8), acc, UPCAST_DOT)
         act_dtype = out_ptr.dtype.element_ty
         routing = tl.load(weights_ptr + entries, mask=mask_m, other=0.0).to(tl.float32)
         y = acc.to(act_dtype).to(tl.float32) * routing[:, None]
@@ -143,36 +171,48 @@ def _sum_top_k_kernel(y_ptr, out_ptr, H, stride_yt, stride_ot, TOP_K: tl.constex
     tl.store(out_ptr + token * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-def _launch_grouped(kernel, layout: ExpertLayout, n: int, k: int, tile: GemmTile, ref: torch.Tensor, *args,
-                    **kwargs) -> None:
+def _launch_grouped(kernel, layout: ExpertLayout, n: int, k: int, tile: GemmTile, ref: torch.Tensor,
+                    weight: torch.Tensor, scale: torch.Tensor | None, *args, **kwargs) -> None:
+    """Launch a grouped GEMM over `weight` [E, N', K] (float8 codes with block scales `scale` [E, N' / bn, K / bk],
+    or in the activations' dtype with scale None)."""
+    block_k = tile.block_k
+    scale_args: dict[str, object] = {"scale_ptr": weight, "stride_se": 0, "stride_sn": 0, "SCALE_BN": 1,
+                                     "SCALE_BK": 1, "FP8": False}
+    if scale is not None:
+        scale_bn, scale_bk = weight.shape[1] // scale.shape[1], weight.shape[2] // scale.shape[2]
+        # A K tile must lie in one scale column: the largest power of two dividing the block, up to the tile's.
+        block_k = min(block_k, scale_bk & -scale_bk)
+        scale_args = {"scale_ptr": scale, "stride_se": scale.stride(0), "stride_sn": scale.stride(1),
+                      "SCALE_BN": scale_bn, "SCALE_BK": scale_bk, "FP8": True}
     grid = (layout.num_blocks, triton.cdiv(n, tile.block_n))
-    kernel[grid](*args, BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                 EVEN_K=k % tile.block_k == 0, UPCAST_DOT=interpreting(), num_warps=tile.num_warps,
+    kernel[grid](*args, **scale_args, BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+                 EVEN_K=k % block_k == 0, UPCAST_DOT=interpreting(), num_warps=tile.num_warps,
                  num_stages=tile.num_stages, **kwargs, **pdl_launch_options(ref))
 
 
-def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, layout: ExpertLayout, tile: GemmTile) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, gate_up: torch.Tensor, layout: ExpertLayout, tile: GemmTile,
+                 gate_up_scale: torch.Tensor | None = None) -> torch.Tensor:
     """[blocks * block_m, I] in layout row order: silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T) per entry;
-    gate_up [E, 2I, H]."""
+    gate_up [E, 2I, H] (float8 codes when `gate_up_scale` holds their block scales)."""
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
     out = torch.empty((layout.sorted_entries.shape[0], inter), dtype=x.dtype, device=x.device)
     if layout.num_blocks:
-        _launch_grouped(_gate_up_silu_kernel, layout, inter, hidden, tile, x, x, gate_up, out,
-                        layout.sorted_entries, layout.block_expert, layout.block_rows, hidden, inter, x.stride(0),
+        _launch_grouped(_gate_up_silu_kernel, layout, inter, hidden, tile, x, gate_up, gate_up_scale, x, gate_up,
+                        out, layout.sorted_entries, layout.block_expert, layout.block_rows, hidden, inter, x.stride(0),
                         gate_up.stride(0), gate_up.stride(1), out.stride(0), TOP_K=layout.top_k)
     return out
 
 
 def down_weighted(h: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, layout: ExpertLayout,
-                  tile: GemmTile) -> torch.Tensor:
+                  tile: GemmTile, down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """[entries, H]: weight[entry] * (h[row] @ down[e]^T), h in layout row order (gate_up_silu's output);
-    down [E, H, I], weights [T, k] (contiguous)."""
+    down [E, H, I] (float8 codes when `down_scale` holds their block scales), weights [T, k] (contiguous)."""
     num_experts, hidden, inter = down.shape
     out = torch.empty((weights.numel(), hidden), dtype=h.dtype, device=h.device)
     if layout.num_blocks:
-        _launch_grouped(_down_weighted_kernel, layout, hidden, inter, tile, h, h, down, weights, out,
-                        layout.sorted_entries, layout.block_expert, layout.block_rows, hidden, inter, h.stride(0),
+        _launch_grouped(_down_weighted_kernel, layout, hidden, inter, tile, h, down, down_scale, h, down, weights,
+                        out, layout.sorted_entries, layout.block_expert, layout.block_rows, hidden, inter, h.stride(0),
                         down.stride(0), down.stride(1), out.stride(0))
     return out
 

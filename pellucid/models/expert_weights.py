@@ -23,7 +23,8 @@ from typing import Any
 from pellucid.distributed.parallel_state import Shard
 from pellucid.models.parallel_layers import RankSlice, shard_ranges
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight"
+                         r"(?P<scale>_scale_inv)?$")
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,15 @@ class ExpertCheckpointNames:
     up: str = "up_proj"
     down: str = "down_proj"
 
-    def target(self, name: str, intermediate_size: int, shard: Shard | None = None
+    def target(self, name: str, intermediate_size: int, shard: Shard | None = None,
+               fp8_block: tuple[int, int] | None = None
                ) -> tuple[str, tuple[Any, ...]] | tuple[str, tuple[Any, ...], RankSlice] | None:
         """(parameter name, index into it) for checkpoint tensor `name`; None when it is the parameter of
         the same name. ValueError for a per-expert tensor of an unknown projection. Under tensor parallelism
-        (`shard` of the intermediate size) a per-expert tensor also names the part of it this rank reads."""
+        (`shard` of the intermediate size) a per-expert tensor also names the part of it this rank reads.
+        `fp8_block`: the layer's experts stay in FP8 (fp8_experts.py), so a per-expert weight's block scales
+        (`...weight_scale_inv`) go to their part of the fused scale parameter; without it they are left to the
+        loader's dequantizer (None)."""
         renamed = name
         for alias in self.block_aliases:
             renamed = renamed.replace(f".{alias}.", ".mlp.")
@@ -47,6 +52,8 @@ class ExpertCheckpointNames:
         if match is None:
             return None if renamed == name else (renamed, ())
         prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+        if match["scale"]:
+            return self._scale_target(name, prefix, expert, proj, intermediate_size, fp8_block)
         local = intermediate_size if shard is None else shard.length
         rows = None if shard is None else (0, shard_ranges(shard, intermediate_size))
         if proj == self.gate:
@@ -56,6 +63,22 @@ class ExpertCheckpointNames:
         if proj == self.down:
             columns = None if shard is None else (1, shard_ranges(shard, intermediate_size))
             return f"{prefix}.down_proj", (expert,), *((columns,) if columns else ())
-        raise ValueError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}; this architecture's "
-                         f"per-expert tensors are {self.gate}, {self.up} and {self.down} (or the fused "
-                         f"experts.gate_up_proj / experts.down_proj)")
+        raise self._unknown(name, proj)
+
+    def _scale_target(self, name: str, prefix: str, expert: int, proj: str, intermediate_size: int,
+                      fp8_block: tuple[int, int] | None) -> tuple[str, tuple[Any, ...]] | None:
+        if fp8_block is None:
+            return None
+        rows = intermediate_size // fp8_block[0]        # scale rows of one expert's gate (or up) weight
+        if proj == self.gate:
+            return f"{prefix}.gate_up_proj_scale_inv", (expert, slice(0, rows))
+        if proj == self.up:
+            return f"{prefix}.gate_up_proj_scale_inv", (expert, slice(rows, 2 * rows))
+        if proj == self.down:
+            return f"{prefix}.down_proj_scale_inv", (expert,)
+        raise self._unknown(name, proj)
+
+    def _unknown(self, name: str, proj: str) -> ValueError:
+        return ValueError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}; this architecture's "
+                          f"per-expert tensors are {self.gate}, {self.up} and {self.down} (or the fused "
+                          f"experts.gate_up_proj / experts.down_proj)")

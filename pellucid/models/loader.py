@@ -17,8 +17,9 @@ from torch import nn
 
 from pellucid.distributed.parallel_state import tensor_parallel_rank_and_size
 from pellucid.logger import get_logger
+from pellucid.models.fp8_experts import FP8_DTYPE, SCALE_SUFFIX, quantize
 from pellucid.models.parallel_layers import checkpoint_slice
-from pellucid.models.quantized_checkpoint import checkpoint_dequantizer, refuse_raw_codes
+from pellucid.models.quantized_checkpoint import check_fp8_codes, checkpoint_dequantizer, refuse_raw_codes
 from pellucid.models.registry import get_model_class
 
 logger = get_logger(__name__)
@@ -116,15 +117,9 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     device = first_param.device
     dequantizer = checkpoint_dequantizer(model_dir, checkpoint_files(model_dir), device, read_tensor)
     if dequantizer is not None:
-        logger.warning("%s is a quantized checkpoint: its 8-bit weights are dequantized to %s as they load, so it "
-                       "serves with the memory and speed of the full-precision model (no 8-bit kernels; activations "
-                       "and the KV cache stay in %s too)", model_dir, first_param.dtype, first_param.dtype)
+        _log_quantized(model, model_dir, first_param.dtype)
     with torch.no_grad():
         for path, name, stored in _iter_checkpoint(model_dir, prefixes):
-            if dequantizer is not None:
-                if dequantizer.skips(name):
-                    continue
-                stored = dequantizer.wrap(name, stored)
             if bare and name not in params:
                 name = bare + name
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
@@ -133,10 +128,18 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
             # A target may name the rank's part of the tensor too: (parameter name, index, RankSlice | None).
             param_name, index, part = (*target, None)[:3] if target is not None else (name, (), None)
             param = params.get(param_name)
+            if dequantizer is not None:
+                if param is not None and (param.dtype == FP8_DTYPE or param_name.endswith(SCALE_SUFFIX)):
+                    check_fp8_codes(name, stored, param)    # a weight kept in FP8 (fp8_experts.py), or its scales
+                elif dequantizer.skips(name):
+                    continue
+                else:
+                    stored = dequantizer.wrap(name, stored)
             if param is None:
                 unexpected.append(f"{name} (in {os.path.basename(path)})")
                 continue
-            refuse_raw_codes(name, stored)
+            if param.dtype != FP8_DTYPE:
+                refuse_raw_codes(name, stored)
             dest = param[index] if index else param
             if not index:
                 module_name, _, attr = param_name.rpartition(".")
@@ -179,6 +182,21 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"checkpoint in {model_dir} is missing tensors: {_first(partial)}")
 
 
+def _log_quantized(model: nn.Module, model_dir: str, dtype: torch.dtype) -> None:
+    fp8 = sum(p.numel() for p in model.parameters() if p.dtype == FP8_DTYPE)
+    total = sum(p.numel() for name, p in model.named_parameters() if not name.endswith(SCALE_SUFFIX))
+    if fp8:
+        logger.warning("%s is a quantized checkpoint: its mixture of experts' weights (%.1f%% of the parameters) "
+                       "stay in FP8 and dequantize as the expert kernels read them; every other 8-bit weight is "
+                       "dequantized to %s as it loads (activations and the KV cache stay in %s)", model_dir,
+                       100.0 * fp8 / max(total, 1), dtype, dtype)
+    else:
+        logger.warning("%s is a quantized checkpoint: its 8-bit weights are dequantized to %s as they load, so it "
+                       "serves with the memory and speed of the full-precision model (FP8 is kept only for the "
+                       "experts of a block-wise FP8 mixture of experts on one rank: pellucid/models/fp8_experts.py; "
+                       "activations and the KV cache stay in %s too)", model_dir, dtype, dtype)
+
+
 def _bare_backbone_prefix(model: nn.Module, model_dir: str, params: dict[str, nn.Parameter]) -> str:
     """"model." when the checkpoint was saved from the backbone alone (transformers' `*Model`, as embedding
     models are published) and names its tensors without the backbone's prefix; else ""."""
@@ -198,11 +216,20 @@ def _draw_random_weights(model: nn.Module, spec_path: str) -> None:
                    os.path.dirname(spec_path), seed)
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for _, param in model.named_parameters():
+        for name, param in params.items():
+            if name.endswith(SCALE_SUFFIX) and params.get(name[:-len(SCALE_SUFFIX)]) is not None:
+                continue        # drawn with its FP8 weight
             noise = torch.randn(param.shape, generator=gen, device=device, dtype=torch.float32)
             if param.dim() == 1:
                 param.copy_(1.0 + 0.05 * noise)
+            elif param.dtype == FP8_DTYPE:      # FP8 experts: the drawn weight quantized, as a checkpoint stores it
+                scale = params[name + SCALE_SUFFIX]
+                block = (param.shape[-2] // scale.shape[-2], param.shape[-1] // scale.shape[-1])
+                codes, scales = quantize(noise * param.shape[-1] ** -0.5, block)
+                param.copy_(codes)
+                scale.copy_(scales)
             else:
                 param.copy_(noise * param.shape[-1] ** -0.5)
 

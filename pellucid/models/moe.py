@@ -34,6 +34,7 @@ from torch import nn
 
 from pellucid.distributed.parallel_state import get_tensor_parallel
 from pellucid.kernels import fused_kernels_enabled
+from pellucid.models.fp8_experts import FP8_DTYPE, dequantize, scale_grid
 from pellucid.models.layers import GatedMLP, Linear, TopKRows, TopKRowsMlp, is_observed
 from pellucid.models.parallel_layers import unit_shard
 
@@ -100,34 +101,66 @@ class TopKRouting(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    """`mlp.experts`: forward(hidden [T, H], expert ids [T, k], routing weights [T, k]) -> [T, H]."""
+    """`mlp.experts`: forward(hidden [T, H], expert ids [T, k], routing weights [T, k]) -> [T, H].
+
+    `fp8_block` [bn, bk]: the weights stay float8 codes with float32 block scales (`gate_up_proj_scale_inv`,
+    `down_proj_scale_inv`), as a block-wise FP8 checkpoint stores them, dequantized as they are used
+    (pellucid.models.fp8_experts)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
+        self.dtype = dtype
         # Under tensor parallelism each rank holds its share of every expert's intermediate columns (gate/up
         # rows, down columns): its output is a partial sum, all-reduced in forward (parallel_layers.py).
         self.shard = unit_shard(intermediate_size, "moe_intermediate_size")
         if self.shard is not None:
+            if fp8_block is not None:
+                raise ValueError("FP8 experts are not sharded across ranks: build them with fp8_block=None")
             intermediate_size = self.shard.length
             self.tp_weights = {"gate_up_proj": (1, self.shard, 2), "down_proj": (2, self.shard)}
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype,
-                                                     device=device))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype,
-                                                  device=device))
+        self.fp8_block = fp8_block
+        weight_dtype = FP8_DTYPE if fp8_block is not None else dtype
+        gate_up_shape = (num_experts, 2 * intermediate_size, hidden_size)
+        down_shape = (num_experts, hidden_size, intermediate_size)
+        trainable = fp8_block is None       # float8 codes take no gradient
+        self.gate_up_proj = nn.Parameter(torch.empty(gate_up_shape, dtype=weight_dtype, device=device), trainable)
+        self.down_proj = nn.Parameter(torch.empty(down_shape, dtype=weight_dtype, device=device), trainable)
+        self.gate_up_proj_scale_inv: nn.Parameter | None = None
+        self.down_proj_scale_inv: nn.Parameter | None = None
+        if fp8_block is not None:
+            self.gate_up_proj_scale_inv = nn.Parameter(
+                torch.empty(scale_grid(gate_up_shape, fp8_block), dtype=torch.float32, device=device),
+                requires_grad=False)
+            self.down_proj_scale_inv = nn.Parameter(
+                torch.empty(scale_grid(down_shape, fp8_block), dtype=torch.float32, device=device),
+                requires_grad=False)
         # transformers' module path; never called: SiLU runs inside the experts' computation on each expert's
         # own tokens, not once over the flat batch, so it is not a site.
         self.act_fn = nn.SiLU()
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of expert e in the model's dtype (dequantized when FP8)."""
+        if self.fp8_block is None:
+            return self.gate_up_proj[e], self.down_proj[e]
+        assert self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None
+        return (dequantize(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self.dtype),
+                dequantize(self.down_proj[e], self.down_proj_scale_inv[e], self.dtype))
+
+    def _fused_weights(self) -> dict[str, Any]:
+        """The fused kernels' weight arguments: the tensors, and the FP8 block scales when there are."""
+        return {"gate_up": self.gate_up_proj, "down": self.down_proj, "gate_up_scale": self.gate_up_proj_scale_inv,
+                "down_scale": self.down_proj_scale_inv}
 
     def forward(self, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 layout: Any = None) -> torch.Tensor:
         """`layout`: the fused kernels' token layout made with `ids` by the routing kernel, if it ran."""
         if fused_kernels_enabled(hidden_states, "moe"):
             from pellucid.kernels.fused_moe import fused_experts
-            out = fused_experts(hidden_states, self.gate_up_proj, self.down_proj, ids, weights, layout)
+            out = fused_experts(hidden_states, ids=ids, weights=weights, layout=layout, **self._fused_weights())
         elif hidden_states.is_cuda:
             out = self._forward_masked(hidden_states, ids, weights)
         else:
@@ -145,12 +178,13 @@ class FusedExperts(nn.Module):
         if not fused_kernels_enabled(hidden_states, "moe"):
             raise ValueError("the experts' unsummed rows exist only on the fused kernels' path")
         from pellucid.kernels.fused_moe import fused_expert_rows
-        rows = fused_expert_rows(hidden_states, self.gate_up_proj, self.down_proj, ids, weights, layout)
+        rows = fused_expert_rows(hidden_states, ids=ids, weights=weights, layout=layout, **self._fused_weights())
         return TopKRows(rows, ids.shape[1], partial=self.shard is not None)
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+        gate_up, down = self.expert_weights(e)
+        gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        return nn.functional.linear(nn.functional.silu(gate) * up, down)
 
     def _forward_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """transformers' eager loop: each chosen expert in increasing order on its tokens (reads the ids on the host)."""
@@ -171,7 +205,8 @@ class FusedExperts(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+        fp8 = "" if self.fp8_block is None else f", fp8_block={list(self.fp8_block)}"
+        return f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{fp8}"
 
 
 class SparseMoeBlock(TopKRowsMlp):
@@ -183,13 +218,13 @@ class SparseMoeBlock(TopKRowsMlp):
     """
 
     def __init__(self, spec: MoeSpec, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.spec = spec
         self.gate = Linear(hidden_size, spec.num_experts, bias=False, **factory)
         self.routing = TopKRouting(spec)
-        self.experts = FusedExperts(spec.num_experts, hidden_size, intermediate_size, **factory)
+        self.experts = FusedExperts(spec.num_experts, hidden_size, intermediate_size, **factory, fp8_block=fp8_block)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if shared_intermediate_size:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pellucid.models.expert_weights import ExpertCheckpointNames
+from pellucid.models.fp8_experts import fp8_expert_block
 from pellucid.models.layers import GatedMLP
 from pellucid.models.llama import AttentionOptions, LlamaForCausalLM
 from pellucid.models.moe import MoeSpec, SparseMoeBlock
@@ -62,8 +63,10 @@ class MoeCausalLM(LlamaForCausalLM):
         if not cls.is_sparse_layer(hf_config, layer_idx):
             return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, False, dtype, device)
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if cls.shared_expert else 0
-        return SparseMoeBlock(cls.moe_spec(hf_config), hf_config.hidden_size, cls.expert_intermediate_size(hf_config),
-                              shared, dtype, device)
+        inter = cls.expert_intermediate_size(hf_config)
+        tensor_parallel = unit_shard(inter, "moe_intermediate_size") is not None
+        fp8_block = fp8_expert_block(hf_config, layer_idx, hf_config.hidden_size, inter, tensor_parallel)
+        return SparseMoeBlock(cls.moe_spec(hf_config), hf_config.hidden_size, inter, shared, dtype, device, fp8_block)
 
     @classmethod
     def checkpoint_names(cls) -> ExpertCheckpointNames:
@@ -73,7 +76,19 @@ class MoeCausalLM(LlamaForCausalLM):
         """Where a checkpoint tensor goes: (parameter name, index into it), or None when it is the parameter
         of the same name (pellucid.models.loader asks)."""
         return self.checkpoint_names().target(name, self._expert_intermediate,
-                                              unit_shard(self._expert_intermediate, "moe_intermediate_size"))
+                                              unit_shard(self._expert_intermediate, "moe_intermediate_size"),
+                                              self._fp8_blocks.get(name.split(".experts.")[0]))
+
+    @property
+    def _fp8_blocks(self) -> dict[str, tuple[int, int]]:
+        """Checkpoint prefix of each layer's `mlp` whose experts stay in FP8 -> their block (fp8_experts.py)."""
+        blocks = {}
+        for i, layer in enumerate(self.model.layers):
+            experts = getattr(layer.mlp, "experts", None)
+            if getattr(experts, "fp8_block", None) is not None:
+                for alias in ("mlp", *self.checkpoint_names().block_aliases):
+                    blocks[f"model.layers.{i}.{alias}"] = experts.fp8_block
+        return blocks
 
     @property
     def _expert_intermediate(self) -> int:

@@ -121,6 +121,56 @@ def check_experts(device: str, seed: int, cases: list[tuple[int, int, int, int, 
                              f"{what} {tiles}")
 
 
+def check_fp8_experts(device: str, seed: int, cases, dtypes) -> None:
+    """Experts kept as float8 codes with block scales (pellucid.models.fp8_experts) against the same experts
+    dequantized first (code * scale in float32, rounded to the dtype): bit for bit in float32, within the dtype's
+    rounding in 16 bits (the compiled 8-bit operand sums its K products in another order: moe_gemm.py; the
+    interpreter truncates to 16 bits instead of rounding); every tile family, both layouts, and the torch loop of
+    the FP8 module against the dequantized module's (bit for bit)."""
+    from pellucid.kernels import fused_moe
+    from pellucid.models.fp8_experts import dequantize, quantize
+    from pellucid.models.moe import FusedExperts
+    g = torch.Generator().manual_seed(seed)
+    for num_tokens, num_experts, top_k, hidden, inter, block in cases:
+        for dtype in dtypes:
+            fp8 = FusedExperts(num_experts, hidden, inter, dtype, device, fp8_block=block)
+            plain = FusedExperts(num_experts, hidden, inter, dtype, device)
+            with torch.no_grad():
+                for name, (rows, cols) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+                    codes, scales = quantize(torch.randn(num_experts, rows, cols, generator=g) / cols ** 0.5, block)
+                    # scales spread over two decades: a wrong block's scale shows
+                    scales = scales * torch.exp(torch.randn(scales.shape, generator=g))
+                    getattr(fp8, name).copy_(codes.to(device))
+                    getattr(fp8, name + "_scale_inv").copy_(scales.to(device))
+                    getattr(plain, name).copy_(dequantize(codes, scales, dtype).to(device))
+            spec = _spec(num_experts, top_k, seed % 2 == 0, dtype != torch.float32)
+            x = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(device)
+            logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(dtype).to(device)
+            ids, weights, layout = fused_moe.route_and_align(logits, spec)
+            what = f"fp8 experts T={num_tokens} E={num_experts} k={top_k} H={hidden} I={inter} block={block} {dtype}"
+            # Bit for bit in float32 where the K tiles are the plain experts' (a scale block narrower than a tile
+            # makes the K tile narrower, which sums in another order).
+            exact = dtype == torch.float32 and block[1] % 128 == 0
+
+            def check(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+                if exact:
+                    assert torch.equal(got, want), f"{what} {label}: not bit-equal to the dequantized experts"
+                else:
+                    assert_close(got.cpu(), want.cpu(), dtype, f"{what} {label}")
+
+            check(fp8(x, ids, weights, layout), plain(x, ids, weights, layout), "routing layout")
+            check(fp8(x, ids.long(), weights), plain(x, ids.long(), weights), "own layout")
+            for tiles in (fused_moe.DECODE_TILES, fused_moe.MID_TILES, fused_moe.PREFILL_TILES,
+                          fused_moe.LONG_PREFILL_TILES):
+                got = fused_moe.fused_experts(x, fp8.gate_up_proj, fp8.down_proj, ids, weights, None, tiles,
+                                              fp8.gate_up_proj_scale_inv, fp8.down_proj_scale_inv)
+                check(got, fused_moe.fused_experts(x, plain.gate_up_proj, plain.down_proj, ids, weights, None, tiles),
+                      str(tiles))
+            cpu_x, cpu_ids, cpu_weights = x.cpu(), ids.cpu().long(), weights.cpu()
+            assert torch.equal(fp8.to("cpu")._forward_loop(cpu_x, cpu_ids, cpu_weights),
+                               plain.to("cpu")._forward_loop(cpu_x, cpu_ids, cpu_weights)), f"{what} torch loop"
+
+
 def check_block(device: str, seed: int) -> None:
     """The whole SparseMoeBlock (router GEMM, fused routing and experts, Qwen2's shared expert) against
     its torch path, traced (routing observed) and not."""
@@ -146,8 +196,8 @@ def check_block(device: str, seed: int) -> None:
             assert_close(traced.cpu(), ref, torch.float32, f"SparseMoeBlock shared={shared} routing observed")
 
 
-CPU_PARTS = ("routing", "experts")          # "block" needs CUDA (the model only dispatches there)
-GPU_PARTS = ("routing", "experts", "block")
+CPU_PARTS = ("routing", "experts", "fp8")   # "block" needs CUDA (the model only dispatches there)
+GPU_PARTS = ("routing", "experts", "fp8", "block")
 
 
 def run_part(device: str, part: str) -> None:
@@ -166,6 +216,12 @@ def run_part(device: str, part: str) -> None:
         dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
         for seed in range(2):
             check_experts(device, seed, cases, dtypes)
+    elif part == "fp8":
+        cases = [(1, 8, 2, 128, 128, (16, 128)), (6, 4, 2, 128, 128, (32, 128)), (70, 8, 2, 128, 128, (128, 128)),
+                 (3, 8, 2, 64, 32, (8, 16))] if on_cpu else \
+            [(1, 128, 8, 2048, 768, (128, 128)), (3, 60, 4, 256, 192, (64, 64)), (300, 16, 2, 256, 384, (64, 128))]
+        dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
+        check_fp8_experts(device, 0, cases, dtypes)
     elif part == "block":
         for seed in range(2):
             check_block(device, seed)

@@ -17,7 +17,7 @@ def test_moe_kernels_under_triton_interpreter():
 
 
 @needs_cuda
-@pytest.mark.parametrize("part", ["routing", "experts", "block"])
+@pytest.mark.parametrize("part", ["routing", "experts", "fp8", "block"])
 def test_moe_kernels_on_gpu(part):
     from tests.gpu.moe_checks import run_part
     run_part("cuda", part)

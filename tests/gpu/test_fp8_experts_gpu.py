@@ -1,0 +1,71 @@
+"""FP8 experts on the GPU (pellucid.models.fp8_experts): an engine whose mixture of experts keeps the checkpoint's
+float8 codes (dequantized tile by tile inside the expert kernels, CUDA graphs and stepping ahead) against the same
+checkpoint dequantized at load. In float32 the tokens and log-probabilities are equal bit for bit; in bfloat16 the
+expert GEMMs sum in another order (pellucid.kernels.moe_gemm), so each engine's scores of the same sequences agree
+to bfloat16's precision. The kernels alone are checked in tests/gpu/moe_checks.py ("fp8")."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tests.models.test_quantized_checkpoint import quantize_to_fp8
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _engine(model_dir: str, dtype: str, fp8: bool, monkeypatch):
+    from pellucid.llm import LLM
+    from pellucid.models.fp8_experts import FP8_DTYPE
+
+    monkeypatch.setenv("PELLUCID_FP8_EXPERTS", "1" if fp8 else "0")
+    llm = LLM(model_dir, device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=16, num_kv_blocks=512)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == (FP8_DTYPE if fp8 else getattr(torch, dtype))
+    return llm
+
+
+def _release(llm) -> None:
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_experts_engine_against_the_dequantized_engine(tmp_path, monkeypatch, dtype):
+    from pellucid.sampling_params import SamplingParams
+    from pellucid.tiny_models import build_tiny_model
+
+    # Blocks 128 columns wide: the expert kernels' K tiles are then those of the dequantized weights.
+    full = build_tiny_model("qwen3-moe", str(tmp_path / "full"), seed=3, hidden_size=128, moe_intermediate_size=128,
+                            num_hidden_layers=3)
+    model_dir = quantize_to_fp8(full, str(tmp_path / "fp8"), (32, 128), seed=1)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 70, 1)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=3)
+              for i in range(len(prompts))]
+    runs = {}
+    for fp8 in (True, False):
+        llm = _engine(model_dir, dtype, fp8, monkeypatch)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.runner.cuda_graphs.num_replays > 0
+        runs[fp8] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+                     for o in outputs]
+        _release(llm)
+    if dtype == "float32":
+        assert runs[True] == runs[False]
+        return
+    # bfloat16: both engines score the dequantized engine's sequences (prompt + its greedy tokens), teacher-forced.
+    sequences = [prompt + tokens for prompt, (tokens, _) in zip(prompts, runs[False])]
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    scores = {}
+    for fp8 in (True, False):
+        llm = _engine(model_dir, dtype, fp8, monkeypatch)
+        outputs = llm.generate(sequences, score, use_tqdm=False)
+        scores[fp8] = torch.tensor([pos[token].logprob for seq, o in zip(sequences, outputs)
+                                    for token, pos in zip(seq[1:], o.prompt_logprobs[1:])])
+        _release(llm)
+    difference = (scores[True] - scores[False]).abs()
+    assert difference.max() <= 0.08 and difference.mean() <= 0.01, (difference.max(), difference.mean())

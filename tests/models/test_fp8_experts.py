@@ -1,0 +1,156 @@
+"""A block-wise FP8 mixture of experts keeps its experts' weights in FP8 (pellucid.models.fp8_experts): the
+parameters are float8 codes with float32 block scales, and the model computes what the same checkpoint fully
+dequantized at load computes, bit for bit (CPU; the GPU kernels in tests/gpu/moe_checks.py "fp8"), from
+per-expert and fused 3D checkpoint tensors. Where the experts cannot stay in FP8 they dequantize at load; a
+checkpoint whose tensor does not match its FP8 parameter is a clear error; benchmark shapes draw FP8 experts."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pellucid import LLM, SamplingParams
+from pellucid.models.fp8_experts import FP8_DTYPE, FP8_MAX, dequantize
+from pellucid.models.loader import RANDOM_WEIGHTS_FILE, load_model
+from pellucid.tiny_models import build_tiny_model
+from tests.models.helpers import PagedModelRunner, random_token_prompts
+from tests.models.test_quantized_checkpoint import _edit_config, quantize_to_fp8
+
+# (arch, config overrides, block): every block divides the experts' hidden and intermediate sizes.
+CASES = {
+    "qwen3-moe": ("qwen3-moe", {"num_experts": 6, "num_experts_per_tok": 2}, (16, 16)),
+    "mixtral": ("mixtral", {}, (32, 16)),
+    "qwen2-moe": ("qwen2-moe", {}, (16, 32)),
+}
+
+
+def _experts_dtypes(model) -> set[torch.dtype]:
+    return {p.dtype for name, p in model.named_parameters() if ".experts." in name and "scale_inv" not in name}
+
+
+def _logits(model, prompts):
+    return PagedModelRunner(model, 16, seed=2).step(list(enumerate(prompts)))
+
+
+def _load_dequantized(model_dir: str, dtype: torch.dtype, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setenv("PELLUCID_FP8_EXPERTS", "0")
+        return load_model(model_dir, dtype, "cpu")[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_equal_the_dequantized_model(tmp_path, monkeypatch, case, dtype) -> None:
+    arch, overrides, block = CASES[case]
+    model_dir = quantize_to_fp8(build_tiny_model(arch, str(tmp_path / "full"), seed=3, **overrides),
+                                str(tmp_path / "fp8"), block, seed=1, index_split=case == "qwen3-moe")
+    model, _ = load_model(model_dir, dtype, "cpu")
+    dequantized = _load_dequantized(model_dir, dtype, monkeypatch)
+    assert _experts_dtypes(model) == {FP8_DTYPE}
+    assert _experts_dtypes(dequantized) == {dtype}
+    experts = model.model.layers[0].mlp.experts
+    assert experts.fp8_block == block
+    assert experts.gate_up_proj_scale_inv.shape[1:] == (2 * experts.intermediate_size // block[0],
+                                                         experts.hidden_size // block[1])
+    # The weights are the checkpoint's codes and scales, and dequantize to the fully dequantized model's values.
+    gate_up, down = experts.expert_weights(1)
+    plain = dequantized.model.layers[0].mlp.experts
+    assert torch.equal(gate_up, plain.gate_up_proj[1]) and torch.equal(down, plain.down_proj[1])
+    prompts = random_token_prompts(5, [9, 26, 1])
+    for got, want in zip(_logits(model, prompts), _logits(dequantized, prompts)):
+        assert torch.equal(got, want)
+    bytes_of = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    assert bytes_of(model) < bytes_of(dequantized)
+
+
+def _fuse_expert_tensors(src: str, dst: str, num_layers: int, num_experts: int) -> None:
+    """Rewrite a per-expert FP8 checkpoint with transformers 5's fused 3D expert tensors (codes and scales)."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if not name.startswith("model"):
+            with open(os.path.join(src, name), "rb") as f_in, open(os.path.join(dst, name), "wb") as f_out:
+                f_out.write(f_in.read())
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for suffix in ("", "_scale_inv"):
+            per = lambda e, proj: tensors.pop(f"{prefix}.{e}.{proj}.weight{suffix}")  # noqa: E731
+            tensors[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
+                [torch.cat([per(e, "gate_proj"), per(e, "up_proj")]) for e in range(num_experts)])
+            tensors[f"{prefix}.down_proj{suffix}"] = torch.stack([per(e, "down_proj") for e in range(num_experts)])
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_fused_3d_fp8_expert_tensors_load(tmp_path, monkeypatch) -> None:
+    """Fused [E, 2I, H] codes with [E, 2I / bn, H / bk] scales, as the experts' parameters hold them: the same
+    model as the per-expert checkpoint, kept in FP8 or dequantized."""
+    per_expert = quantize_to_fp8(build_tiny_model("qwen3-moe", str(tmp_path / "full"), seed=5, num_experts=4),
+                                 str(tmp_path / "fp8"), (16, 16), seed=2)
+    fused = str(tmp_path / "fused")
+    _fuse_expert_tensors(per_expert, fused, num_layers=2, num_experts=4)
+    prompts = random_token_prompts(3, [11, 4])
+    want = _logits(load_model(per_expert, torch.float32, "cpu")[0], prompts)
+    model = load_model(fused, torch.float32, "cpu")[0]
+    assert _experts_dtypes(model) == {FP8_DTYPE}
+    for dequantize_experts in (False, True):
+        if dequantize_experts:
+            model = _load_dequantized(fused, torch.float32, monkeypatch)
+            assert _experts_dtypes(model) == {torch.float32}
+        assert all(torch.equal(g, w) for g, w in zip(_logits(model, prompts), want))
+
+
+def test_experts_dequantize_where_they_cannot_stay_in_fp8(tmp_path, monkeypatch, caplog) -> None:
+    """Blocks that do not tile the experts, experts the config keeps in full precision, or
+    PELLUCID_FP8_EXPERTS=0: dequantized at load (the loader's warning says so), the same logits."""
+    full = build_tiny_model("qwen3-moe", str(tmp_path / "full"), seed=7)
+    prompts = random_token_prompts(3, [10, 3])
+    fp8 = quantize_to_fp8(full, str(tmp_path / "fp8"), (16, 16), seed=3)
+    want = _logits(load_model(fp8, torch.float32, "cpu")[0], prompts)
+    with open(os.path.join(fp8, "config.json"), encoding="utf-8") as f:
+        quantization = json.load(f)["quantization_config"]
+    _edit_config(fp8, quantization_config=dict(quantization, modules_to_not_convert=["lm_head", "mlp.experts"]))
+    caplog.set_level("WARNING", logger="pellucid")
+    model = load_model(fp8, torch.float32, "cpu")[0]
+    assert _experts_dtypes(model) == {torch.float32}
+    assert "dequantized to torch.float32 as they load" in caplog.text
+    assert all(torch.equal(g, w) for g, w in zip(_logits(model, prompts), want))
+    # 24-row blocks do not tile the 32 intermediate rows: a last partial block, which the dequantizer handles.
+    partial = quantize_to_fp8(full, str(tmp_path / "fp8-24"), (24, 16), seed=3)
+    assert _experts_dtypes(load_model(partial, torch.float32, "cpu")[0]) == {torch.float32}
+
+
+def test_a_tensor_that_is_not_fp8_codes_is_a_clear_error(tmp_path) -> None:
+    model_dir = quantize_to_fp8(build_tiny_model("qwen3-moe", str(tmp_path / "full"), seed=8),
+                                str(tmp_path / "fp8"), (16, 16), seed=4)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.bfloat16)        # full precision where the config promises FP8 codes
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"up_proj\.weight.*stored as BF16.*PELLUCID_FP8_EXPERTS=0"):
+        load_model(model_dir, torch.float32, "cpu")
+
+
+def test_benchmark_shapes_draw_fp8_experts(tmp_path) -> None:
+    """A random-weights directory with an FP8 config (bench's Qwen3-30B-A3B-FP8): the experts are drawn, then
+    quantized as checkpoints are made (each block's largest code at the format's maximum), and the engine
+    generates with them."""
+    model_dir = build_tiny_model("qwen3-moe", str(tmp_path / "tiny"), seed=9)
+    os.remove(os.path.join(model_dir, "model.safetensors"))
+    with open(os.path.join(model_dir, RANDOM_WEIGHTS_FILE), "w", encoding="utf-8") as f:
+        json.dump({"seed": 5}, f)
+    _edit_config(model_dir, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]})
+    model = load_model(model_dir, torch.float32, "cpu")[0]
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == FP8_DTYPE
+    codes = experts.gate_up_proj.float().abs().reshape(experts.num_experts, -1, 16, experts.hidden_size // 16, 16)
+    assert torch.equal(codes.amax(dim=(2, 4)), torch.full_like(codes.amax(dim=(2, 4)), FP8_MAX))
+    weights = dequantize(experts.gate_up_proj, experts.gate_up_proj_scale_inv, torch.float32)
+    assert abs(weights.std().item() * experts.hidden_size ** 0.5 - 1.0) < 0.1      # drawn with std 1/sqrt(fan in)
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=16)
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
