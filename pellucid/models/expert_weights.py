@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pellucid.distributed.parallel_state import Shard
+from pellucid.models.fp8_experts import scale_shard
 from pellucid.models.parallel_layers import RankSlice, shard_ranges
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight"
@@ -53,7 +54,7 @@ class ExpertCheckpointNames:
             return None if renamed == name else (renamed, ())
         prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
         if match["scale"]:
-            return self._scale_target(name, prefix, expert, proj, intermediate_size, fp8_block)
+            return self._scale_target(name, prefix, expert, proj, intermediate_size, shard, fp8_block)
         local = intermediate_size if shard is None else shard.length
         rows = None if shard is None else (0, shard_ranges(shard, intermediate_size))
         if proj == self.gate:
@@ -66,16 +67,20 @@ class ExpertCheckpointNames:
         raise self._unknown(name, proj)
 
     def _scale_target(self, name: str, prefix: str, expert: int, proj: str, intermediate_size: int,
-                      fp8_block: tuple[int, int] | None) -> tuple[str, tuple[Any, ...]] | None:
+                      shard: Shard | None, fp8_block: tuple[int, int] | None
+                      ) -> tuple[str, tuple[Any, ...]] | tuple[str, tuple[Any, ...], RankSlice] | None:
         if fp8_block is None:
             return None
-        rows = intermediate_size // fp8_block[0]        # scale rows of one expert's gate (or up) weight
-        if proj == self.gate:
-            return f"{prefix}.gate_up_proj_scale_inv", (expert, slice(0, rows))
-        if proj == self.up:
-            return f"{prefix}.gate_up_proj_scale_inv", (expert, slice(rows, 2 * rows))
+        bn, bk = fp8_block
+        local = intermediate_size if shard is None else shard.length
+        rows = local // bn              # scale rows of this rank's part of one expert's gate (or up) weight
+        if proj in (self.gate, self.up):
+            first = 0 if proj == self.gate else rows
+            part = () if shard is None else ((0, shard_ranges(scale_shard(shard, bn), intermediate_size // bn)),)
+            return f"{prefix}.gate_up_proj_scale_inv", (expert, slice(first, first + rows)), *part
         if proj == self.down:
-            return f"{prefix}.down_proj_scale_inv", (expert,)
+            part = () if shard is None else ((1, shard_ranges(scale_shard(shard, bk), intermediate_size // bk)),)
+            return f"{prefix}.down_proj_scale_inv", (expert,), *part
         raise self._unknown(name, proj)
 
     def _unknown(self, name: str, proj: str) -> ValueError:

@@ -21,8 +21,9 @@ convert every weight they multiply; the tiles are bf16's, not tuned for 8-bit we
 
 The experts stay in FP8 when the checkpoint is block-wise FP8 in e4m3, its blocks tile every expert matrix
 (moe_intermediate_size and hidden_size are multiples of both block sides), the layer's experts are not in the
-config's `modules_to_not_convert`, and the model runs on one rank (tensor-parallel shards of the scales are not
-written). Otherwise they are dequantized at load, as every other weight; the loader logs which. Setting
+config's `modules_to_not_convert`, and, under tensor parallelism, each rank's share of the intermediate size is
+whole blocks too (each rank then holds its rows of the scales as of the codes). Otherwise they are dequantized at
+load, as every other weight; the loader logs which. Setting
 PELLUCID_FP8_EXPERTS=0 dequantizes them always.
 """
 from __future__ import annotations
@@ -33,31 +34,42 @@ from typing import Any
 
 import torch
 
+from pellucid.distributed.parallel_state import Shard
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                     # the largest finite float8 e4m3fn value
 SCALE_SUFFIX = "_scale_inv"         # a weight's block scales: the weight's name + this
 
 
 def fp8_expert_block(hf_config: Any, layer_idx: int, hidden_size: int, intermediate_size: int,
-                     tensor_parallel: bool) -> tuple[int, int] | None:
-    """The [bn, bk] block of layer `layer_idx`'s FP8 experts when they stay in FP8 (module docstring), else None."""
+                     shard: Shard | None) -> tuple[int, int] | None:
+    """The [bn, bk] block of layer `layer_idx`'s FP8 experts when they stay in FP8 (module docstring), else None.
+    `shard`: this rank's part of the intermediate size under tensor parallelism."""
     quantization = getattr(hf_config, "quantization_config", None)
     if quantization is None or os.environ.get("PELLUCID_FP8_EXPERTS", "1") == "0":
         return None
     if not isinstance(quantization, dict):
         quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else vars(quantization)
     block = quantization.get("weight_block_size")
-    if (quantization.get("quant_method") != "fp8" or quantization.get("fmt", "e4m3") != "e4m3" or tensor_parallel
+    if (quantization.get("quant_method") != "fp8" or quantization.get("fmt", "e4m3") != "e4m3"
             or not isinstance(block, (list, tuple)) or len(block) != 2):
         return None
     bn, bk = int(block[0]), int(block[1])
-    if any(size % side for size in (hidden_size, intermediate_size) for side in (bn, bk)):
+    # Even shards start at multiples of their length, so a length of whole blocks keeps every rank's on blocks.
+    local = intermediate_size if shard is None else shard.length
+    if any(size % side for size in (hidden_size, intermediate_size, local) for side in (bn, bk)):
         return None
     experts = f"model.layers.{layer_idx}.mlp.experts"
     for skipped in quantization.get("modules_to_not_convert") or ():
         if skipped and (skipped in experts or experts in skipped):
             return None
     return bn, bk
+
+
+def scale_shard(shard: Shard, side: int) -> Shard:
+    """A rank's part of a weight dimension (`shard`, in elements) counted in scale blocks of `side` elements."""
+    return Shard(tuple(start // side for start in shard.starts), shard.length // side, shard.total // side,
+                 shard.rank)
 
 
 def scale_grid(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:

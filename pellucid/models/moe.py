@@ -34,7 +34,7 @@ from torch import nn
 
 from pellucid.distributed.parallel_state import get_tensor_parallel
 from pellucid.kernels import fused_kernels_enabled
-from pellucid.models.fp8_experts import FP8_DTYPE, dequantize, scale_grid
+from pellucid.models.fp8_experts import FP8_DTYPE, dequantize, scale_grid, scale_shard
 from pellucid.models.layers import GatedMLP, Linear, TopKRows, TopKRowsMlp, is_observed
 from pellucid.models.parallel_layers import unit_shard
 
@@ -117,10 +117,11 @@ class FusedExperts(nn.Module):
         # rows, down columns): its output is a partial sum, all-reduced in forward (parallel_layers.py).
         self.shard = unit_shard(intermediate_size, "moe_intermediate_size")
         if self.shard is not None:
-            if fp8_block is not None:
-                raise ValueError("FP8 experts are not sharded across ranks: build them with fp8_block=None")
             intermediate_size = self.shard.length
             self.tp_weights = {"gate_up_proj": (1, self.shard, 2), "down_proj": (2, self.shard)}
+            if fp8_block is not None:   # the scales' rows and columns of this rank's codes
+                self.tp_weights.update({"gate_up_proj_scale_inv": (1, scale_shard(self.shard, fp8_block[0]), 2),
+                                        "down_proj_scale_inv": (2, scale_shard(self.shard, fp8_block[1]))})
         self.intermediate_size = intermediate_size
         self.fp8_block = fp8_block
         weight_dtype = FP8_DTYPE if fp8_block is not None else dtype

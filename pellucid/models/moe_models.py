@@ -64,8 +64,8 @@ class MoeCausalLM(LlamaForCausalLM):
             return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, False, dtype, device)
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if cls.shared_expert else 0
         inter = cls.expert_intermediate_size(hf_config)
-        tensor_parallel = unit_shard(inter, "moe_intermediate_size") is not None
-        fp8_block = fp8_expert_block(hf_config, layer_idx, hf_config.hidden_size, inter, tensor_parallel)
+        shard = unit_shard(inter, "moe_intermediate_size")
+        fp8_block = fp8_expert_block(hf_config, layer_idx, hf_config.hidden_size, inter, shard)
         return SparseMoeBlock(cls.moe_spec(hf_config), hf_config.hidden_size, inter, shared, dtype, device, fp8_block)
 
     @classmethod

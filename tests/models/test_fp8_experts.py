@@ -154,3 +154,40 @@ def test_benchmark_shapes_draw_fp8_experts(tmp_path) -> None:
     out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+def test_tensor_parallel_ranks_hold_their_fp8_expert_shards(tmp_path, monkeypatch, layout) -> None:
+    """TP=2 with 16-row blocks over 32 intermediate rows: each rank keeps its 16 rows of every expert in FP8 with
+    their scales (slices of per-expert or fused 3D tensors), which dequantize to its slices of the TP=1 experts; and
+    TP=2 generates TP=1's tokens."""
+    from pellucid.distributed import parallel_state
+
+    model_dir = quantize_to_fp8(build_tiny_model("qwen3-moe", str(tmp_path / "full"), seed=6, num_experts=4),
+                                str(tmp_path / "fp8"), (16, 16), seed=3)
+    if layout == "fused":
+        _fuse_expert_tensors(model_dir, str(tmp_path / "fused"), num_layers=2, num_experts=4)
+        model_dir = str(tmp_path / "fused")
+    whole = load_model(model_dir, torch.float32, "cpu")[0].model.layers[1].mlp.experts
+    for rank in range(2):
+        with monkeypatch.context() as patch:      # load as this rank of two (loading runs no collective)
+            patch.setattr(parallel_state, "_TP", parallel_state.TensorParallel(rank, 2, torch.device("cpu"), None, None))
+            experts = load_model(model_dir, torch.float32, "cpu")[0].model.layers[1].mlp.experts
+        assert experts.gate_up_proj.dtype == FP8_DTYPE and tuple(experts.gate_up_proj.shape) == (4, 32, 64)
+        assert tuple(experts.gate_up_proj_scale_inv.shape) == (4, 2, 4)
+        assert tuple(experts.down_proj_scale_inv.shape) == (4, 4, 1)
+        for e in range(4):
+            gate_up, down = experts.expert_weights(e)
+            full_gate_up, full_down = whole.expert_weights(e)
+            rows = slice(16 * rank, 16 * rank + 16)
+            assert torch.equal(gate_up, torch.cat([full_gate_up[:32][rows], full_gate_up[32:][rows]]))
+            assert torch.equal(down, full_down[:, rows])
+    engine = dict(dtype="float32", device="cpu", max_model_len=96, num_kv_blocks=24)
+    prompts = [{"prompt_token_ids": p} for p in random_token_prompts(4, [12, 30])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, **engine).generate(prompts, params, use_tqdm=False)]
+    tp2 = LLM(model_dir, tensor_parallel_size=2, **engine)
+    try:
+        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        tp2.shutdown()
