@@ -6,6 +6,7 @@ the layers a Qwen config keeps dense (`mlp_only_layers`, `decoder_sparse_step`),
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -79,9 +80,10 @@ class MoeCausalLM(LlamaForCausalLM):
                                               unit_shard(self._expert_intermediate, "moe_intermediate_size"),
                                               self._fp8_blocks.get(name.split(".experts.")[0]))
 
-    @property
+    @functools.cached_property
     def _fp8_blocks(self) -> dict[str, tuple[int, int]]:
-        """Checkpoint prefix of each layer's `mlp` whose experts stay in FP8 -> their block (fp8_experts.py)."""
+        """Checkpoint prefix of each layer's `mlp` whose experts stay in FP8 -> their block (fp8_experts.py); the
+        layers are fixed once built, and the loader asks once per checkpoint tensor."""
         blocks = {}
         for i, layer in enumerate(self.model.layers):
             experts = getattr(layer.mlp, "experts", None)
