@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pellucid.distributed.parallel_state import Shard
-from pellucid.models.fp8_experts import scale_shard
+from pellucid.models.fp8_experts import SCALE_SUFFIX, scale_shard
 from pellucid.models.parallel_layers import RankSlice, shard_ranges
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight"
@@ -53,37 +53,27 @@ class ExpertCheckpointNames:
         if match is None:
             return None if renamed == name else (renamed, ())
         prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
-        if match["scale"]:
-            return self._scale_target(name, prefix, expert, proj, intermediate_size, shard, fp8_block)
-        local = intermediate_size if shard is None else shard.length
-        rows = None if shard is None else (0, shard_ranges(shard, intermediate_size))
-        if proj == self.gate:
-            return f"{prefix}.gate_up_proj", (expert, slice(0, local)), *((rows,) if rows else ())
-        if proj == self.up:
-            return f"{prefix}.gate_up_proj", (expert, slice(local, 2 * local)), *((rows,) if rows else ())
-        if proj == self.down:
-            columns = None if shard is None else (1, shard_ranges(shard, intermediate_size))
-            return f"{prefix}.down_proj", (expert,), *((columns,) if columns else ())
-        raise self._unknown(name, proj)
-
-    def _scale_target(self, name: str, prefix: str, expert: int, proj: str, intermediate_size: int,
-                      shard: Shard | None, fp8_block: tuple[int, int] | None
-                      ) -> tuple[str, tuple[Any, ...]] | tuple[str, tuple[Any, ...], RankSlice] | None:
-        if fp8_block is None:
-            return None
-        bn, bk = fp8_block
-        local = intermediate_size if shard is None else shard.length
-        rows = local // bn              # scale rows of this rank's part of one expert's gate (or up) weight
+        scale = match["scale"] is not None
+        if scale and fp8_block is None:
+            return None             # read by the loader's dequantizer with its weight
+        # Block scales go where their weight goes, counted in blocks: gate/up rows of bn, down columns of bk.
+        suffix, (row_unit, column_unit) = (SCALE_SUFFIX, fp8_block) if scale else ("", (1, 1))
         if proj in (self.gate, self.up):
-            first = 0 if proj == self.gate else rows
-            part = () if shard is None else ((0, shard_ranges(scale_shard(shard, bn), intermediate_size // bn)),)
-            return f"{prefix}.gate_up_proj_scale_inv", (expert, slice(first, first + rows)), *part
+            local = (intermediate_size if shard is None else shard.length) // row_unit
+            first = 0 if proj == self.gate else local
+            return (f"{prefix}.gate_up_proj{suffix}", (expert, slice(first, first + local)),
+                    *_rank_part(0, shard, row_unit, intermediate_size))
         if proj == self.down:
-            part = () if shard is None else ((1, shard_ranges(scale_shard(shard, bk), intermediate_size // bk)),)
-            return f"{prefix}.down_proj_scale_inv", (expert,), *part
-        raise self._unknown(name, proj)
+            return f"{prefix}.down_proj{suffix}", (expert,), *_rank_part(1, shard, column_unit, intermediate_size)
+        raise ValueError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}; this architecture's "
+                         f"per-expert tensors are {self.gate}, {self.up} and {self.down} (or the fused "
+                         f"experts.gate_up_proj / experts.down_proj)")
 
-    def _unknown(self, name: str, proj: str) -> ValueError:
-        return ValueError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}; this architecture's "
-                          f"per-expert tensors are {self.gate}, {self.up} and {self.down} (or the fused "
-                          f"experts.gate_up_proj / experts.down_proj)")
+
+def _rank_part(dim: int, shard: Shard | None, unit: int, intermediate_size: int) -> tuple[RankSlice, ...]:
+    """The rank's part of a per-expert tensor whose `dim` spans the intermediate size in `unit`-element blocks:
+    () without tensor parallelism."""
+    if shard is None:
+        return ()
+    units = shard if unit == 1 else scale_shard(shard, unit)
+    return ((dim, shard_ranges(units, intermediate_size // unit)),)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from pellucid.distributed.parallel_state import Shard
+from pellucid.models.quantized_checkpoint import dequantize_blockwise
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                     # the largest finite float8 e4m3fn value
@@ -79,11 +80,9 @@ def scale_grid(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[i
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., N, K] * scale [..., N / bn, K / bk] (block sides from the shapes), in float32, rounded to dtype."""
-    bn = codes.shape[-2] // scale.shape[-2]
-    bk = codes.shape[-1] // scale.shape[-1]
-    expanded = scale.float().repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
-    return (codes.float() * expanded).to(dtype)
+    """codes [..., N, K] * scale [..., N / bn, K / bk] in float32, rounded to dtype: the load-time dequantizer's
+    values (the block sides follow from the shapes)."""
+    return dequantize_blockwise(codes, scale, None, "an FP8 expert weight").to(dtype)
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
