@@ -194,7 +194,8 @@ def _log_quantized(model: nn.Module, model_dir: str, dtype: torch.dtype) -> None
         logger.warning("%s is a quantized checkpoint: its 8-bit weights are dequantized to %s as they load, so it "
                        "serves with the memory and speed of the full-precision model (FP8 is kept only for the "
                        "experts of a block-wise FP8 mixture of experts, where its blocks allow: "
-                       "pellucid/models/fp8_experts.py; activations and the KV cache stay in %s too)", model_dir, dtype, dtype)
+                       "pellucid/models/fp8_experts.py; activations and the KV cache stay in %s too)", model_dir,
+                       dtype, dtype)
 
 
 def _bare_backbone_prefix(model: nn.Module, model_dir: str, params: dict[str, nn.Parameter]) -> str:

@@ -51,8 +51,8 @@ def test_fp8_experts_engine_against_the_dequantized_engine(tmp_path, monkeypatch
         llm = _engine(model_dir, dtype, fp8, monkeypatch)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.runner.cuda_graphs.num_replays > 0
-        runs[fp8] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
-                     for o in outputs]
+        runs[fp8] = [(o.outputs[0].token_ids,
+                      [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]) for o in outputs]
         _release(llm)
     if dtype == "float32":
         assert runs[True] == runs[False]

@@ -151,8 +151,8 @@ def test_benchmark_shapes_draw_fp8_experts(tmp_path) -> None:
     weights = dequantize(experts.gate_up_proj, experts.gate_up_proj_scale_inv, torch.float32)
     assert abs(weights.std().item() * experts.hidden_size ** 0.5 - 1.0) < 0.1      # drawn with std 1/sqrt(fan in)
     llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=64, num_kv_blocks=16)
-    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
 
@@ -171,7 +171,8 @@ def test_tensor_parallel_ranks_hold_their_fp8_expert_shards(tmp_path, monkeypatc
     whole = load_model(model_dir, torch.float32, "cpu")[0].model.layers[1].mlp.experts
     for rank in range(2):
         with monkeypatch.context() as patch:      # load as this rank of two (loading runs no collective)
-            patch.setattr(parallel_state, "_TP", parallel_state.TensorParallel(rank, 2, torch.device("cpu"), None, None))
+            rank_of_two = parallel_state.TensorParallel(rank, 2, torch.device("cpu"), None, None)
+            patch.setattr(parallel_state, "_TP", rank_of_two)
             experts = load_model(model_dir, torch.float32, "cpu")[0].model.layers[1].mlp.experts
         assert experts.gate_up_proj.dtype == FP8_DTYPE and tuple(experts.gate_up_proj.shape) == (4, 32, 64)
         assert tuple(experts.gate_up_proj_scale_inv.shape) == (4, 2, 4)
