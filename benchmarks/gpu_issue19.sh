@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-side of issue 19 (mixture-of-experts models) in one device call.
 # Usage (device tool): bash benchmarks/gpu_issue19.sh [SECTION ...]
-#   sections: diag diag30b checks tests kernels kernels_decode sweep latency throughput fp8tests latency_fp8
+#   sections: diag diag30b checks tests kernels kernels_decode sweep latency throughput fp8tests latency_fp8 sweep_fp8
 # $OUT/summary.md gets every table and verdict as it is made; $OUT/all.log every command's full output.
 # Sections stop starting after TOTAL_S seconds (default 570) so one device call holds the script.
 set -u
@@ -28,8 +28,10 @@ for s in $sections; do
     sweep) run moe_sweep 240 python3 benchmarks/moe_kernel_bench.py --sweep ;;
     latency) run latency_30b 240 python3 -m pellucid.bench latency --model Qwen3-30B-A3B --model-cache "$CACHE" \
                --batch-sizes 1,64,256 --input-len 128 --output-len 64 --prefill-len 8192 ;;
-    fp8tests) run fp8_checks 120 python3 tests/gpu/moe_checks.py cuda fp8
+    fp8tests) run fp8_checks 300 python3 tests/gpu/moe_checks.py cuda fp8
               run fp8_tests 150 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_fp8_experts_gpu.py ;;
+    sweep_fp8) run moe_kernels_bf16 90 python3 benchmarks/moe_kernel_bench.py --tokens 1,64,256
+               run moe_sweep_fp8 330 python3 benchmarks/moe_kernel_bench.py --fp8 --sweep --tokens 1,64,256 ;;
     latency_fp8) run latency_30b_fp8 240 python3 -m pellucid.bench latency --model Qwen3-30B-A3B-FP8 \
                    --model-cache "$CACHE" --batch-sizes 1,64,256 --input-len 128 --output-len 64 --prefill-len 8192 ;;
     throughput) run throughput_30b 330 python3 -m pellucid.bench throughput --model Qwen3-30B-A3B \

@@ -5,9 +5,10 @@ router weights) over the copy bandwidth, or the expert FLOPs over the bf16 matmu
 
 Four layers of random weights are cycled so the experts of one layer are not in L2 when the next reads them.
 `--sweep` also times each GEMM over a set of tiles per token count and prints the best (to choose
-pellucid.kernels.fused_moe's tiles).
+pellucid.kernels.fused_moe's tiles). `--fp8` keeps the experts as float8 codes with 128 x 128 block scales
+(pellucid.models.fp8_experts, as Qwen3-30B-A3B-FP8 publishes them); the floor then counts their bytes.
 
-    PYTHONPATH=. python3 benchmarks/moe_kernel_bench.py [--tokens 1,8,64,256,8192] [--sweep]
+    PYTHONPATH=. python3 benchmarks/moe_kernel_bench.py [--tokens 1,8,64,256,8192] [--sweep] [--fp8]
 """
 from __future__ import annotations
 
@@ -43,14 +44,16 @@ def _graph_us(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def _candidates(block_m: int, which: str):
+def _candidates(block_m: int, which: str, fp8: bool):
     from pellucid.kernels.moe_gemm import GemmTile
     if block_m == 16:
         ns = (16, 32, 64) if which == "gate_up" else (32, 64, 128)
-        return [GemmTile(n, k, 4, 4) for n in ns for k in (64, 128, 256)]
+        ks = (64, 128) if fp8 else (64, 128, 256)   # an FP8 K step lies in one 128-column scale block
+        return [GemmTile(n, k, w, s) for n in ns for k in ks for w in (2, 4) for s in (4, 6, 8)]
     if block_m == 32:
         return [GemmTile(n, k, w, 3) for n in (64, 128) for k in (64, 128) for w in (4, 8)]
-    return [GemmTile(n, 64, w, s) for n in (64, 128) for w in (4, 8) for s in (3, 4)]
+    ks = (64, 128) if fp8 else (64,)
+    return [GemmTile(n, k, w, s) for n in (64, 128) for k in ks for w in (4, 8) for s in (3, 4)]
 
 
 def _block_ms(tokens: int) -> list[int]:
@@ -66,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,8,64,256,8192")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fp8", action="store_true")
     args = parser.parse_args()
     floors = measure_floors()
     torch.manual_seed(0)
@@ -75,27 +79,40 @@ def main() -> None:
     router = [torch.randn(E, H, device="cuda", dtype=dtype) * H ** -0.5 for _ in range(LAYERS)]
     spec = MoeSpec(E, K, True, True)
     expert_bytes = 3 * H * I * 2
+    gate_up_scale = down_scale = [None] * LAYERS
+    if args.fp8:
+        from pellucid.models.fp8_experts import quantize
+        gate_up, gate_up_scale = zip(*(quantize(w, (128, 128)) for w in gate_up))
+        down, down_scale = zip(*(quantize(w, (128, 128)) for w in down))
+        expert_bytes = 3 * H * I + 3 * (H // 128) * (I // 128) * 4
+
+    def run_gate_up(x, layouts, tile):
+        return [gate_up_silu(x, gate_up[l], layouts[l][2], tile, gate_up_scale[l]) for l in range(LAYERS)]
+
+    def run_down(h, layouts, tile):
+        return [down_weighted(h[l], down[l], layouts[l][1], layouts[l][2], tile, down_scale[l]) for l in range(LAYERS)]
     rows, sweep_rows = [], []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, H, device="cuda", dtype=dtype)
         logits = [x @ r.T for r in router]
-        tiles = fused_moe.pick_tiles(tokens, K, E)
+        tiles = fused_moe.pick_tiles(tokens, K, E, args.fp8)
 
         def layer_all(tiles=tiles):
             for l in range(LAYERS):
                 ids, weights, layout = fused_moe.route_and_align(logits[l], spec, tiles)
-                fused_moe.fused_experts(x, gate_up[l], down[l], ids, weights, layout, tiles)
+                fused_moe.fused_experts(x, gate_up[l], down[l], ids, weights, layout, tiles, gate_up_scale[l],
+                                        down_scale[l])
 
         routed = [fused_moe.route_and_align(logits[l], spec, tiles) for l in range(LAYERS)]
         touched = statistics.mean(int(torch.unique(r[0]).numel()) for r in routed)
-        h = [gate_up_silu(x, gate_up[l], routed[l][2], tiles.gate_up) for l in range(LAYERS)]
-        y = [down_weighted(h[l], down[l], routed[l][1], routed[l][2], tiles.down) for l in range(LAYERS)]
+        h = run_gate_up(x, routed, tiles.gate_up)
+        y = run_down(h, routed, tiles.down)
         total = _graph_us(layer_all)
         parts = {
-            "route+layout": _graph_us(lambda: [fused_moe.route_and_align(logits[l], spec, tiles) for l in range(LAYERS)]),
-            "gate_up": _graph_us(lambda: [gate_up_silu(x, gate_up[l], routed[l][2], tiles.gate_up) for l in range(LAYERS)]),
-            "down": _graph_us(lambda: [down_weighted(h[l], down[l], routed[l][1], routed[l][2], tiles.down)
-                                       for l in range(LAYERS)]),
+            "route+layout": _graph_us(lambda: [fused_moe.route_and_align(logits[l], spec, tiles)
+                                               for l in range(LAYERS)]),
+            "gate_up": _graph_us(lambda: run_gate_up(x, routed, tiles.gate_up)),
+            "down": _graph_us(lambda: run_down(h, routed, tiles.down)),
             "sum": _graph_us(lambda: [sum_top_k(y[l], tokens, K) for l in range(LAYERS)]),
         }
         bytes_floor = floors.bytes_time(touched * expert_bytes + E * H * 2 + 2 * tokens * H * 2) * 1e6
@@ -110,17 +127,17 @@ def main() -> None:
                            for l in range(LAYERS)]
                 for which in ("gate_up", "down"):
                     best = None
-                    for tile in _candidates(block_m, which):
+                    for tile in _candidates(block_m, which, args.fp8):
                         if which == "gate_up":
-                            fn = lambda tile=tile: [gate_up_silu(x, gate_up[l], layouts[l][2], tile) for l in range(LAYERS)]
+                            fn = lambda tile=tile: run_gate_up(x, layouts, tile)
                         else:
-                            fn = lambda tile=tile: [down_weighted(h[l], down[l], layouts[l][1], layouts[l][2], tile)
-                                                    for l in range(LAYERS)]
+                            fn = lambda tile=tile: run_down(h, layouts, tile)
                         try:
                             us = _graph_us(fn, 10)
                         except Exception as exc:      # a tile Triton cannot build here (shared memory)
                             print(f"tokens {tokens} bm {block_m} {which} {tile}: {type(exc).__name__}")
                             continue
+                        print(f"tokens {tokens} bm {block_m} {which} {tile}: {us:.1f} us")
                         if best is None or us < best[0]:
                             best = (us, tile)
                     sweep_rows.append([str(tokens), str(block_m), which, f"{best[0]:.1f}", str(best[1])])

@@ -44,17 +44,26 @@ DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
 MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))
 PREFILL_TILES = MoeTiles(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3))
 LONG_PREFILL_TILES = MoeTiles(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3))
+# Float8 expert weights (`moe_kernel_bench.py --fp8 --sweep` on an H200, BENCHMARKS.md, issue 19): at decode a
+# stage holds half the bytes, so wider column tiles and whole 128-column scale blocks per K step; at prefill the
+# per-weight dequantization favours 4-warp down tiles. Same block rows as the plain tiles, so the routing's layout
+# serves both.
+FP8_DECODE_TILES = MoeTiles(16, GemmTile(64, 128, 4, 4), GemmTile(128, 128, 4, 4))
+FP8_PREFILL_TILES = MoeTiles(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))
+FP8_LONG_PREFILL_TILES = MoeTiles(128, GemmTile(64, 64, 8, 4), GemmTile(128, 64, 4, 4))
 
 
-def pick_tiles(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
-    """Tiles for a batch (for 2-byte dtypes): a function of the shapes alone, so a graph capture records the
-    same kernels."""
+def pick_tiles(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> MoeTiles:
+    """Tiles for a batch (for 2-byte activations; `fp8`: the expert weights are float8 codes): a function of
+    the shapes alone, so a graph capture records the same kernels."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 16:
-        return DECODE_TILES
+        return FP8_DECODE_TILES if fp8 else DECODE_TILES
     if per_expert <= 64:
         return MID_TILES
-    return PREFILL_TILES if per_expert <= 128 else LONG_PREFILL_TILES
+    if per_expert <= 128:
+        return FP8_PREFILL_TILES if fp8 else PREFILL_TILES
+    return FP8_LONG_PREFILL_TILES if fp8 else LONG_PREFILL_TILES
 
 
 def fit_dtype(tiles: MoeTiles, dtype: torch.dtype) -> MoeTiles:
@@ -102,7 +111,9 @@ def fused_expert_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     if x.stride(-1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
         raise ValueError("fused MoE needs activations with unit stride along the hidden dimension and contiguous "
                          "expert weights")
-    tiles = fit_dtype(tiles or pick_tiles(num_tokens, top_k, num_experts), x.dtype)
+    # FP8 tiles were tuned for 16-bit activations; float32 (the reference dtype) keeps the plain path's tiles.
+    fp8_tiles = fp8 and x.dtype.itemsize == 2
+    tiles = fit_dtype(tiles or pick_tiles(num_tokens, top_k, num_experts, fp8_tiles), x.dtype)
     if layout is None or layout.block_m != tiles.block_m:
         layout = layout_for(ids, num_experts, tiles.block_m)
     h = gate_up_silu(x, gate_up, layout, tiles.gate_up, gate_up_scale if fp8 else None)

@@ -17,7 +17,8 @@ gives the GEMM the load-time dequantized weights' values. In float32 the results
 bit for bit. In 16-bit dtypes they can differ in the last bits: Triton lays out a dot operand that comes from
 8-bit loads with more K elements per thread (kWidth 4 against 2), so the tensor-core instructions take the K
 products in other groups and the float32 sum runs in another order. (An opaque conversion that hides the 8-bit
-origin restores the 16-bit layout and the bits, but measured 1.3-1.8x slower steps: BENCHMARKS.md, issue 19.)
+origin restores the 16-bit layout and the bits, but measured 1.3-1.8x slower steps; scaling each K tile's partial
+sum instead of the weights measured slower too: BENCHMARKS.md, issue 19.)
 
 Blocks past the routing's last one (block_expert -1) and rows past a block's count do nothing. Every
 launch size depends on the token count only, so CUDA graphs capture them.
