@@ -20,7 +20,7 @@ for s in $sections; do
           PELLUCID_PDL=0 run diag_traced_nopdl 90 python3 benchmarks/moe_graph_diag.py --traced-first ;;
     diag30b) CUDA_LAUNCH_BLOCKING=1 run diag30b_eager 120 python3 benchmarks/moe_graph_diag.py --layers 48 --batch 1 \
                --max-model-len 8209 --output-len 64 --eager-first ;;
-    checks) run moe_checks 120 python3 tests/gpu/moe_checks.py cuda routing experts block ;;
+    checks) run moe_checks 400 python3 tests/gpu/moe_checks.py cuda routing experts block ;;
     tests) run moe_tests 200 python3 -m pytest -q -rA -p no:cacheprovider -x tests/gpu/test_moe_gpu.py \
              tests/gpu/test_no_sync.py tests/gpu/test_async_scheduling.py ;;
     kernels) run moe_kernels 150 python3 benchmarks/moe_kernel_bench.py ;;
@@ -28,7 +28,7 @@ for s in $sections; do
     sweep) run moe_sweep 240 python3 benchmarks/moe_kernel_bench.py --sweep ;;
     latency) run latency_30b 240 python3 -m pellucid.bench latency --model Qwen3-30B-A3B --model-cache "$CACHE" \
                --batch-sizes 1,64,256 --input-len 128 --output-len 64 --prefill-len 8192 ;;
-    fp8tests) run fp8_checks 300 python3 tests/gpu/moe_checks.py cuda fp8
+    fp8tests) run fp8_checks 360 python3 tests/gpu/moe_checks.py cuda fp8
               run fp8_tests 150 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_fp8_experts_gpu.py ;;
     sweep_fp8) run moe_kernels_bf16 90 python3 benchmarks/moe_kernel_bench.py --tokens 1,64,256
                run moe_sweep_fp8 330 python3 benchmarks/moe_kernel_bench.py --fp8 --sweep --tokens 1,64,256 ;;

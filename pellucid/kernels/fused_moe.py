@@ -13,8 +13,8 @@ Nothing reads device values on the host: buffer sizes and grids depend on the to
 CUDA graph captured for a batch size replays any routing, and steps launched ahead never wait.
 
 Tiles (`pick_tiles`): decode-sized batches route few tokens to each expert, so blocks of 16 rows and narrow
-column tiles give many programs streaming the chosen experts' weights; prefill uses 64-row blocks and wide
-tiles for the tensor cores. Measured in BENCHMARKS.md (issue 19).
+gate/up column tiles give many programs streaming the chosen experts' weights (one token keeps narrow down tiles
+too); prefill uses 64-row blocks and wide tiles for the tensor cores. Measured in BENCHMARKS.md (issue 19).
 """
 from __future__ import annotations
 
@@ -39,9 +39,14 @@ class MoeTiles:
 # Chosen from benchmarks/moe_kernel_bench.py --sweep on an H100 (BENCHMARKS.md, issue 19), Qwen3-30B-A3B layer
 # shape, bf16: decode (<= 16 entries per expert) 16-row blocks; mid-size batches 32; prefill 64, and 128 from
 # 128 entries per expert on (8k-token prefill, 512 per expert: gate/up 1136 -> 802 us, down 814 -> 801 us per
-# layer in the sweep; the engine's 8k prefill in BENCHMARKS.md was measured with the 64-row tiles).
-DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
-MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3))
+# layer in the sweep; the engine's 8k prefill in BENCHMARKS.md was measured with the 64-row tiles). Re-swept on an
+# H200 (2026-11-29): from 2 tokens on down takes 128 x 128 tiles (97 against 102 us per layer at 64 tokens, 110
+# against 113 at 256; the engine's batch 64 / 256 steps 1.5% / 1.0% faster), which one token does not (10.7
+# against 10.3 us; 64 x 128 tiles of 2 warps, 9.7 us alone, made the engine's batch-1 step 2.3% slower); mid-size
+# down takes 64-column K steps (173 against 186 us at 1,024 tokens).
+ONE_TOKEN_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
+DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(128, 128, 4, 4))
+MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3))
 PREFILL_TILES = MoeTiles(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3))
 LONG_PREFILL_TILES = MoeTiles(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3))
 # Float8 expert weights (`moe_kernel_bench.py --fp8 --sweep` on an H200, BENCHMARKS.md, issue 19): at decode a
@@ -49,8 +54,12 @@ LONG_PREFILL_TILES = MoeTiles(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8,
 # per-weight dequantization favours 4-warp down tiles. Same block rows as the plain tiles, so the routing's layout
 # serves both.
 FP8_DECODE_TILES = MoeTiles(16, GemmTile(64, 128, 4, 4), GemmTile(128, 128, 4, 4))
+FP8_MID_TILES = MoeTiles(32, GemmTile(128, 128, 4, 3), GemmTile(128, 64, 4, 3))
 FP8_PREFILL_TILES = MoeTiles(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))
 FP8_LONG_PREFILL_TILES = MoeTiles(128, GemmTile(64, 64, 8, 4), GemmTile(128, 64, 4, 4))
+# Every family pick_tiles can return, for the checks that run each of them.
+ALL_TILES = (ONE_TOKEN_TILES, DECODE_TILES, MID_TILES, PREFILL_TILES, LONG_PREFILL_TILES, FP8_DECODE_TILES,
+             FP8_MID_TILES, FP8_PREFILL_TILES, FP8_LONG_PREFILL_TILES)
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> MoeTiles:
@@ -58,9 +67,11 @@ def pick_tiles(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False)
     the shapes alone, so a graph capture records the same kernels."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 16:
-        return FP8_DECODE_TILES if fp8 else DECODE_TILES
+        if fp8:
+            return FP8_DECODE_TILES
+        return ONE_TOKEN_TILES if num_tokens == 1 else DECODE_TILES
     if per_expert <= 64:
-        return MID_TILES
+        return FP8_MID_TILES if fp8 else MID_TILES
     if per_expert <= 128:
         return FP8_PREFILL_TILES if fp8 else PREFILL_TILES
     return FP8_LONG_PREFILL_TILES if fp8 else LONG_PREFILL_TILES

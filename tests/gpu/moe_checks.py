@@ -115,8 +115,7 @@ def check_experts(device: str, seed: int, cases: list[tuple[int, int, int, int, 
             assert_close(out.cpu(), ref, dtype, what)
             assert_close(fused_moe.fused_experts(x, *weight_args, ids.long(), weights).cpu(), ref, dtype,
                          f"{what} (int64 ids, own layout)")
-            for tiles in (fused_moe.DECODE_TILES, fused_moe.MID_TILES, fused_moe.PREFILL_TILES,
-                          fused_moe.LONG_PREFILL_TILES):
+            for tiles in fused_moe.ALL_TILES:
                 assert_close(fused_moe.fused_experts(x, *weight_args, ids, weights, None, tiles).cpu(), ref, dtype,
                              f"{what} {tiles}")
 
@@ -160,9 +159,7 @@ def check_fp8_experts(device: str, seed: int, cases, dtypes) -> None:
 
             check(fp8(x, ids, weights, layout), plain(x, ids, weights, layout), "routing layout")
             check(fp8(x, ids.long(), weights), plain(x, ids.long(), weights), "own layout")
-            for tiles in (fused_moe.DECODE_TILES, fused_moe.FP8_DECODE_TILES, fused_moe.MID_TILES,
-                          fused_moe.PREFILL_TILES, fused_moe.FP8_PREFILL_TILES, fused_moe.LONG_PREFILL_TILES,
-                          fused_moe.FP8_LONG_PREFILL_TILES):
+            for tiles in fused_moe.ALL_TILES:
                 got = fused_moe.fused_experts(x, fp8.gate_up_proj, fp8.down_proj, ids, weights, None, tiles,
                                               fp8.gate_up_proj_scale_inv, fp8.down_proj_scale_inv)
                 check(got, fused_moe.fused_experts(x, plain.gate_up_proj, plain.down_proj, ids, weights, None, tiles),

@@ -206,5 +206,7 @@ def test_fp8_tiles_keep_the_block_rows_of_the_routing_layout() -> None:
             plain = fused_moe.pick_tiles(tokens, top_k, num_experts)
             fp8 = fused_moe.pick_tiles(tokens, top_k, num_experts, fp8=True)
             assert fp8.block_m == plain.block_m, (tokens, top_k, num_experts)
+            # the GPU checks (tests/gpu/moe_checks.py) run every family in ALL_TILES
+            assert plain in fused_moe.ALL_TILES and fp8 in fused_moe.ALL_TILES, (tokens, top_k, num_experts)
             # and the FP8 K steps lie in one 128-column scale block
             assert 128 % fp8.gate_up.block_k == 0 and 128 % fp8.down.block_k == 0
