@@ -95,7 +95,7 @@ def main() -> None:
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, H, device="cuda", dtype=dtype)
         logits = [x @ r.T for r in router]
-        tiles = fused_moe.pick_tiles(tokens, K, E, args.fp8)
+        tiles = fused_moe.pick_tiles(tokens, K, E, args.fp8, I)
 
         def layer_all(tiles=tiles):
             for l in range(LAYERS):

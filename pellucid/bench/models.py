@@ -2,9 +2,10 @@
 
 Weights are drawn straight into safetensors files (on the GPU when there is one, a layer at a time),
 never through a transformers model object, so an 8B checkpoint takes seconds rather than minutes.
-Shapes in DRAWN_AT_LOAD (Qwen3-30B-A3B: 61 GB of bf16 weights, Llama-3.1-70B: 141 GB, more than the GPU
-machines' disks hold comfortably) get no weight files: the directory's pellucid_random_weights.json makes the loader draw them
-on the device (pellucid.models.loader); transformers cannot read such a directory.
+Shapes in DRAWN_AT_LOAD (Qwen3-30B-A3B: 61 GB of bf16 weights, Mixtral-8x7B: 93 GB, Llama-3.1-70B: 141 GB,
+more than the GPU machines' disks hold comfortably) get no weight files: the directory's
+pellucid_random_weights.json makes the loader draw them on the device (pellucid.models.loader); transformers
+cannot read such a directory.
 The tokenizer covers the model's whole vocabulary with one word per id (` t1234`), so every token a
 random model samples decodes to text at once: a streamed response carries one chunk per token, and
 time to first token and inter-token latency are measured on every token (benchmark prompts are
@@ -50,13 +51,19 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                           tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
                           rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu"),
+    # 8 experts, 2 per token, of width 14,336: 46.7B parameters (93 GB of bf16), 12.9B read per token.
+    "Mixtral-8x7B": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000,
+                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, num_local_experts=8, num_experts_per_tok=2,
+                         tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=32768,
+                         rms_norm_eps=1e-5, hidden_act="silu", sliding_window=None),
 }
 # The same with its experts stored as the official Qwen3-30B-A3B-FP8 stores them (block-wise FP8, 128 x 128
 # blocks): they stay in FP8 (pellucid.models.fp8_experts); the rest is drawn in bf16, as that checkpoint's
 # dequantized weights load.
 NAMED_CONFIGS["Qwen3-30B-A3B-FP8"] = dict(NAMED_CONFIGS["Qwen3-30B-A3B"], quantization_config=dict(
     quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128]))
-DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B", "Qwen3-30B-A3B-FP8", "Llama-3.1-70B"})
+DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B", "Qwen3-30B-A3B-FP8", "Mixtral-8x7B", "Llama-3.1-70B"})
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -13,8 +13,8 @@ Nothing reads device values on the host: buffer sizes and grids depend on the to
 CUDA graph captured for a batch size replays any routing, and steps launched ahead never wait.
 
 Tiles (`pick_tiles`): decode-sized batches route few tokens to each expert, so blocks of 16 rows and narrow
-gate/up column tiles give many programs streaming the chosen experts' weights (one token keeps narrow down tiles
-too); prefill uses 64-row blocks and wide tiles for the tensor cores. Measured in BENCHMARKS.md (issue 19).
+gate/up column tiles give many programs streaming the chosen experts' weights (one token of narrow experts keeps
+narrow down tiles too); prefill uses 64-row blocks and wide tiles for the tensor cores. Measured in BENCHMARKS.md (issue 19).
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ class MoeTiles:
 # 128 entries per expert on (8k-token prefill, 512 per expert: gate/up 1136 -> 802 us, down 814 -> 801 us per
 # layer in the sweep; the engine's 8k prefill in BENCHMARKS.md was measured with the 64-row tiles). Re-swept on an
 # H200 (2026-11-29): from 2 tokens on down takes 128 x 128 tiles (97 against 102 us per layer at 64 tokens, 110
-# against 113 at 256; the engine's batch 64 / 256 steps 1.5% / 1.0% faster), which one token does not (10.7
-# against 10.3 us; 64 x 128 tiles of 2 warps, 9.7 us alone, made the engine's batch-1 step 2.3% slower); mid-size
+# against 113 at 256; the engine's batch 64 / 256 steps 1.5% / 1.0% faster; Mixtral-8x7B's batch 16 8.5%), which
+# one token does not (below; 64 x 128 tiles of 2 warps, 9.7 us alone, made the batch-1 step 2.3% slower); mid-size
 # down takes 64-column K steps (173 against 186 us at 1,024 tokens).
 ONE_TOKEN_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
 DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(128, 128, 4, 4))
@@ -57,19 +57,26 @@ FP8_DECODE_TILES = MoeTiles(16, GemmTile(64, 128, 4, 4), GemmTile(128, 128, 4, 4
 FP8_MID_TILES = MoeTiles(32, GemmTile(128, 128, 4, 3), GemmTile(128, 64, 4, 3))
 FP8_PREFILL_TILES = MoeTiles(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3))
 FP8_LONG_PREFILL_TILES = MoeTiles(128, GemmTile(64, 64, 8, 4), GemmTile(128, 64, 4, 4))
+# A lone token's down GEMM streams each chosen expert's [H, I] weights once. With a short K (Qwen3-30B-A3B's I = 768,
+# six 128-deep steps) the narrow tiles start more programs sooner: engine batch 1 2.44 ms/step against 2.55 with the
+# 128 x 128 tiles; with a long K (Mixtral-8x7B's 14,336) the deeper tiles keep more bytes in flight: 7.77 against
+# 8.28 ms/step (H200, BENCHMARKS.md issue 19 round 14).
+ONE_TOKEN_NARROW_DOWN_MAX_WIDTH = 1024
 # Every family pick_tiles can return, for the checks that run each of them.
 ALL_TILES = (ONE_TOKEN_TILES, DECODE_TILES, MID_TILES, PREFILL_TILES, LONG_PREFILL_TILES, FP8_DECODE_TILES,
              FP8_MID_TILES, FP8_PREFILL_TILES, FP8_LONG_PREFILL_TILES)
 
 
-def pick_tiles(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> MoeTiles:
-    """Tiles for a batch (for 2-byte activations; `fp8`: the expert weights are float8 codes): a function of
-    the shapes alone, so a graph capture records the same kernels."""
+def pick_tiles(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False, expert_width: int = 0) -> MoeTiles:
+    """Tiles for a batch (for 2-byte activations; `fp8`: the expert weights are float8 codes; `expert_width`: the
+    experts' intermediate size, 0 where only the block rows matter): a function of the shapes alone, so a graph
+    capture records the same kernels."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 16:
         if fp8:
             return FP8_DECODE_TILES
-        return ONE_TOKEN_TILES if num_tokens == 1 else DECODE_TILES
+        narrow = num_tokens == 1 and expert_width <= ONE_TOKEN_NARROW_DOWN_MAX_WIDTH
+        return ONE_TOKEN_TILES if narrow else DECODE_TILES
     if per_expert <= 64:
         return FP8_MID_TILES if fp8 else MID_TILES
     if per_expert <= 128:
@@ -124,7 +131,7 @@ def fused_expert_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                          "expert weights")
     # FP8 tiles were tuned for 16-bit activations; float32 (the reference dtype) keeps the plain path's tiles.
     fp8_tiles = fp8 and x.dtype.itemsize == 2
-    tiles = fit_dtype(tiles or pick_tiles(num_tokens, top_k, num_experts, fp8_tiles), x.dtype)
+    tiles = fit_dtype(tiles or pick_tiles(num_tokens, top_k, num_experts, fp8_tiles, down.shape[-1]), x.dtype)
     if layout is None or layout.block_m != tiles.block_m:
         layout = layout_for(ids, num_experts, tiles.block_m)
     h = gate_up_silu(x, gate_up, layout, tiles.gate_up, gate_up_scale if fp8 else None)

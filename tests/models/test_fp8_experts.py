@@ -194,19 +194,22 @@ def test_tensor_parallel_ranks_hold_their_fp8_expert_shards(tmp_path, monkeypatc
         tp2.shutdown()
 
 
-def test_fp8_tiles_keep_the_block_rows_of_the_routing_layout() -> None:
+def test_tiles_keep_the_block_rows_of_the_routing_layout() -> None:
     """The routing lays tokens out for the plain tiles' block rows (pellucid.models.moe routes before it knows the
-    weights' dtype); FP8 tiles must keep them, or every layer would lay its tokens out twice."""
+    weights' dtype or the experts' width); FP8 tiles and every expert width must keep them, or every layer would lay
+    its tokens out twice."""
     pytest.importorskip("triton")
     from pellucid.kernels import fused_moe
     g = torch.Generator().manual_seed(0)
     counts = [1, 2, 255, 256, 257, 1024, 1025, 2048, 2049, 8192] + torch.randint(1, 20000, (40,), generator=g).tolist()
     for num_experts, top_k in ((128, 8), (60, 4), (8, 2)):
         for tokens in counts:
-            plain = fused_moe.pick_tiles(tokens, top_k, num_experts)
-            fp8 = fused_moe.pick_tiles(tokens, top_k, num_experts, fp8=True)
-            assert fp8.block_m == plain.block_m, (tokens, top_k, num_experts)
-            # the GPU checks (tests/gpu/moe_checks.py) run every family in ALL_TILES
-            assert plain in fused_moe.ALL_TILES and fp8 in fused_moe.ALL_TILES, (tokens, top_k, num_experts)
+            routing = fused_moe.pick_tiles(tokens, top_k, num_experts)
+            for width in (768, 1408, 14336):
+                plain = fused_moe.pick_tiles(tokens, top_k, num_experts, expert_width=width)
+                fp8 = fused_moe.pick_tiles(tokens, top_k, num_experts, fp8=True, expert_width=width)
+                assert fp8.block_m == plain.block_m == routing.block_m, (tokens, top_k, num_experts, width)
+                # the GPU checks (tests/gpu/moe_checks.py) run every family in ALL_TILES
+                assert plain in fused_moe.ALL_TILES and fp8 in fused_moe.ALL_TILES, (tokens, top_k, num_experts)
             # and the FP8 K steps lie in one 128-column scale block
             assert 128 % fp8.gate_up.block_k == 0 and 128 % fp8.down.block_k == 0
