@@ -14,7 +14,8 @@ CUDA graph captured for a batch size replays any routing, and steps launched ahe
 
 Tiles (`pick_tiles`): decode-sized batches route few tokens to each expert, so blocks of 16 rows and narrow
 gate/up column tiles give many programs streaming the chosen experts' weights (one token of narrow experts keeps
-narrow down tiles too); prefill uses 64-row blocks and wide tiles for the tensor cores. Measured in BENCHMARKS.md (issue 19).
+narrow down tiles too); prefill uses 64-row blocks and wide tiles for the tensor cores. Measured in BENCHMARKS.md
+(issue 19).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class MoeTiles:
 # H200 (2026-11-29): from 2 tokens on down takes 128 x 128 tiles (97 against 102 us per layer at 64 tokens, 110
 # against 113 at 256; the engine's batch 64 / 256 steps 1.5% / 1.0% faster; Mixtral-8x7B's batch 16 8.5%), which
 # one token does not (below; 64 x 128 tiles of 2 warps, 9.7 us alone, made the batch-1 step 2.3% slower); mid-size
-# down takes 64-column K steps (173 against 186 us at 1,024 tokens).
+# down takes 64-deep K steps (173 against 186 us at 1,024 tokens).
 ONE_TOKEN_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
 DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(128, 128, 4, 4))
 MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3))
