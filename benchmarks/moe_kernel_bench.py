@@ -7,8 +7,10 @@ Four layers of random weights are cycled so the experts of one layer are not in 
 `--sweep` also times each GEMM over a set of tiles per token count and prints the best (to choose
 pellucid.kernels.fused_moe's tiles). `--fp8` keeps the experts as float8 codes with 128 x 128 block scales
 (pellucid.models.fp8_experts, as Qwen3-30B-A3B-FP8 publishes them); the floor then counts their bytes.
+`--fp8-activations` adds W8A8: activations quantized to float8 per token and 128 columns (the gate_up and down
+columns leave out the two quantize_rows launches; the total includes them).
 
-    PYTHONPATH=. python3 benchmarks/moe_kernel_bench.py [--tokens 1,8,64,256,8192] [--sweep] [--fp8]
+    PYTHONPATH=. python3 benchmarks/moe_kernel_bench.py [--tokens 1,8,64,256,8192] [--sweep] [--fp8 [--fp8-activations]]
 """
 from __future__ import annotations
 
@@ -44,8 +46,11 @@ def _graph_us(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def _candidates(block_m: int, which: str, fp8: bool):
+def _candidates(block_m: int, which: str, fp8: bool, a8: bool = False):
     from pellucid.kernels.moe_gemm import GemmTile
+    if a8:      # the K step is the activations' 128-column quantization group
+        ns = (32, 64, 128) if block_m <= 32 else (64, 128, 256)
+        return [GemmTile(n, 128, w, s) for n in ns for w in (4, 8) for s in (3, 4)]
     if block_m == 16:
         ns = (16, 32, 64) if which == "gate_up" else (32, 64, 128)
         ks = (64, 128) if fp8 else (64, 128, 256)   # an FP8 K step lies in one 128-column scale block
@@ -63,14 +68,19 @@ def _block_ms(tokens: int) -> list[int]:
 
 def main() -> None:
     from pellucid.kernels import fused_moe
-    from pellucid.kernels.moe_gemm import down_weighted, gate_up_silu, sum_top_k
+    from pellucid.kernels.moe_gemm import down_weighted, gate_up_silu, quantize_rows, sum_top_k
     from pellucid.models.moe import MoeSpec
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,8,64,256,8192")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="with --fp8: activations quantized to float8 per token and 128 columns (W8A8)")
     args = parser.parse_args()
+    if args.fp8_activations and not args.fp8:
+        parser.error("--fp8-activations needs --fp8")
+    a8 = args.fp8_activations
     floors = measure_floors()
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -86,22 +96,25 @@ def main() -> None:
         down, down_scale = zip(*(quantize(w, (128, 128)) for w in down))
         expert_bytes = 3 * H * I + 3 * (H // 128) * (I // 128) * 4
 
-    def run_gate_up(x, layouts, tile):
-        return [gate_up_silu(x, gate_up[l], layouts[l][2], tile, gate_up_scale[l]) for l in range(LAYERS)]
+    def run_gate_up(x, layouts, tile):   # W8A8: the GEMMs take quantize_rows' codes (made outside the timing)
+        a = quantize_rows(x, 128) if a8 else x
+        return [gate_up_silu(a, gate_up[l], layouts[l][2], tile, gate_up_scale[l], dtype) for l in range(LAYERS)]
 
     def run_down(h, layouts, tile):
-        return [down_weighted(h[l], down[l], layouts[l][1], layouts[l][2], tile, down_scale[l]) for l in range(LAYERS)]
+        a = [quantize_rows(rows, 128) for rows in h] if a8 else h
+        return [down_weighted(a[l], down[l], layouts[l][1], layouts[l][2], tile, down_scale[l], dtype)
+                for l in range(LAYERS)]
     rows, sweep_rows = [], []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, H, device="cuda", dtype=dtype)
         logits = [x @ r.T for r in router]
-        tiles = fused_moe.pick_tiles(tokens, K, E, args.fp8, I)
+        tiles = fused_moe.pick_tiles(tokens, K, E, args.fp8, I, a8)
 
         def layer_all(tiles=tiles):
             for l in range(LAYERS):
                 ids, weights, layout = fused_moe.route_and_align(logits[l], spec, tiles)
                 fused_moe.fused_experts(x, gate_up[l], down[l], ids, weights, layout, tiles, gate_up_scale[l],
-                                        down_scale[l])
+                                        down_scale[l], a8)
 
         routed = [fused_moe.route_and_align(logits[l], spec, tiles) for l in range(LAYERS)]
         touched = statistics.mean(int(torch.unique(r[0]).numel()) for r in routed)
@@ -127,7 +140,7 @@ def main() -> None:
                            for l in range(LAYERS)]
                 for which in ("gate_up", "down"):
                     best = None
-                    for tile in _candidates(block_m, which, args.fp8):
+                    for tile in _candidates(block_m, which, args.fp8, a8):
                         if which == "gate_up":
                             fn = lambda tile=tile: run_gate_up(x, layouts, tile)
                         else:

@@ -34,7 +34,7 @@ from torch import nn
 
 from pellucid.distributed.parallel_state import get_tensor_parallel
 from pellucid.kernels import fused_kernels_enabled
-from pellucid.models.fp8_experts import FP8_DTYPE, dequantize, scale_grid, scale_shard
+from pellucid.models.fp8_experts import FP8_DTYPE, dequantize, fake_quantized_activations, scale_grid, scale_shard
 from pellucid.models.layers import GatedMLP, Linear, TopKRows, TopKRowsMlp, is_observed
 from pellucid.models.parallel_layers import unit_shard
 
@@ -104,12 +104,16 @@ class FusedExperts(nn.Module):
     """`mlp.experts`: forward(hidden [T, H], expert ids [T, k], routing weights [T, k]) -> [T, H].
 
     `fp8_block` [bn, bk]: the weights stay float8 codes with float32 block scales (`gate_up_proj_scale_inv`,
-    `down_proj_scale_inv`), as a block-wise FP8 checkpoint stores them, dequantized as they are used
-    (pellucid.models.fp8_experts)."""
+    `down_proj_scale_inv`), as a block-wise FP8 checkpoint stores them, dequantized as they are used;
+    `fp8_activations`: and they multiply float8 activations, W8A8 (pellucid.models.fp8_experts)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 device: torch.device | str, fp8_block: tuple[int, int] | None = None) -> None:
+                 device: torch.device | str, fp8_block: tuple[int, int] | None = None,
+                 fp8_activations: bool = False) -> None:
         super().__init__()
+        if fp8_activations and fp8_block is None:
+            raise ValueError("float8 activations need FP8 expert weights (fp8_block)")
+        self.fp8_activations = fp8_activations
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -154,7 +158,7 @@ class FusedExperts(nn.Module):
     def _fused_weights(self) -> dict[str, Any]:
         """The fused kernels' weight arguments: the tensors, and the FP8 block scales when there are."""
         return {"gate_up": self.gate_up_proj, "down": self.down_proj, "gate_up_scale": self.gate_up_proj_scale_inv,
-                "down_scale": self.down_proj_scale_inv}
+                "down_scale": self.down_proj_scale_inv, "quantize_activations": self.fp8_activations}
 
     def forward(self, hidden_states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 layout: Any = None) -> torch.Tensor:
@@ -183,9 +187,22 @@ class FusedExperts(nn.Module):
         return TopKRows(rows, ids.shape[1], partial=self.shard is not None)
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.fp8_activations:
+            return self._expert_w8a8(x, e)
         gate_up, down = self.expert_weights(e)
         gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
         return nn.functional.linear(nn.functional.silu(gate) * up, down)
+
+    def _expert_w8a8(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """The W8A8 kernels' arithmetic: each GEMM's input quantized per token and K block and dequantized, times
+        the dequantized weights, in float32; each GEMM's output rounded to the model's dtype."""
+        assert self.fp8_block is not None and self.gate_up_proj_scale_inv is not None
+        assert self.down_proj_scale_inv is not None
+        group = self.fp8_block[1]
+        gate_up = dequantize(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], torch.float32)
+        down = dequantize(self.down_proj[e], self.down_proj_scale_inv[e], torch.float32)
+        gate, up = (fake_quantized_activations(x, group) @ gate_up.T).to(x.dtype).chunk(2, dim=-1)
+        return (fake_quantized_activations(nn.functional.silu(gate) * up, group) @ down.T).to(x.dtype)
 
     def _forward_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """transformers' eager loop: each chosen expert in increasing order on its tokens (reads the ids on the host)."""
@@ -207,6 +224,7 @@ class FusedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         fp8 = "" if self.fp8_block is None else f", fp8_block={list(self.fp8_block)}"
+        fp8 += ", fp8_activations=True" if self.fp8_activations else ""
         return f"num_experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{fp8}"
 
 
@@ -219,13 +237,15 @@ class SparseMoeBlock(TopKRowsMlp):
     """
 
     def __init__(self, spec: MoeSpec, hidden_size: int, intermediate_size: int, shared_intermediate_size: int,
-                 dtype: torch.dtype, device: torch.device | str, fp8_block: tuple[int, int] | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | str, fp8_block: tuple[int, int] | None = None,
+                 fp8_activations: bool = False) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.spec = spec
         self.gate = Linear(hidden_size, spec.num_experts, bias=False, **factory)
         self.routing = TopKRouting(spec)
-        self.experts = FusedExperts(spec.num_experts, hidden_size, intermediate_size, **factory, fp8_block=fp8_block)
+        self.experts = FusedExperts(spec.num_experts, hidden_size, intermediate_size, **factory, fp8_block=fp8_block,
+                                    fp8_activations=fp8_activations)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if shared_intermediate_size:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pellucid.models.expert_weights import ExpertCheckpointNames
-from pellucid.models.fp8_experts import fp8_expert_block
+from pellucid.models.fp8_experts import fp8_expert_activations, fp8_expert_block
 from pellucid.models.layers import GatedMLP
 from pellucid.models.llama import AttentionOptions, LlamaForCausalLM
 from pellucid.models.moe import MoeSpec, SparseMoeBlock
@@ -67,7 +67,9 @@ class MoeCausalLM(LlamaForCausalLM):
         inter = cls.expert_intermediate_size(hf_config)
         shard = unit_shard(inter, "moe_intermediate_size")
         fp8_block = fp8_expert_block(hf_config, layer_idx, hf_config.hidden_size, inter, shard)
-        return SparseMoeBlock(cls.moe_spec(hf_config), hf_config.hidden_size, inter, shared, dtype, device, fp8_block)
+        fp8_activations = fp8_block is not None and fp8_expert_activations(hf_config)
+        return SparseMoeBlock(cls.moe_spec(hf_config), hf_config.hidden_size, inter, shared, dtype, device, fp8_block,
+                              fp8_activations)
 
     @classmethod
     def checkpoint_names(cls) -> ExpertCheckpointNames:

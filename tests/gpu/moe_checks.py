@@ -169,6 +169,66 @@ def check_fp8_experts(device: str, seed: int, cases, dtypes) -> None:
                                plain.to("cpu")._forward_loop(cpu_x, cpu_ids, cpu_weights)), f"{what} torch loop"
 
 
+def _w8a8_reference(x, gate_up, gate_up_scale, down, down_scale, ids, weights) -> torch.Tensor:
+    """W8A8 by brute force, in float64 on the CPU: x and each expert's SiLU-and-mul output quantized per token and
+    group of the weight block's K side (pellucid.models.fp8_experts.quantize_activations), times the dequantized
+    weights (code * scale), rounded to x's dtype where the kernels round (each GEMM's output, silu, the product,
+    the weighted row, the top-k sum in float32)."""
+    from pellucid.models.fp8_experts import dequantize, fake_quantized_activations
+    x, ids, weights = x.cpu(), ids.cpu().long(), weights.cpu()
+    dtype, inter = x.dtype, down.shape[2]
+    group_in, group_mid = x.shape[1] // gate_up_scale.shape[2], inter // down_scale.shape[2]
+    xq = fake_quantized_activations(x, group_in).double()
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gu = dequantize(gate_up[e].cpu(), gate_up_scale[e].cpu(), torch.float32).double()
+        dn = dequantize(down[e].cpu(), down_scale[e].cpu(), torch.float32).double()
+        h = (xq[token] @ gu.T).to(dtype).float()
+        act = (torch.nn.functional.silu(h[:, :inter]).to(dtype).float() * h[:, inter:]).to(dtype)
+        y = (fake_quantized_activations(act, group_mid).double() @ dn.T).to(dtype).float()
+        out.index_add_(0, token, (y * weights[token, slot, None].float()).to(dtype).float())
+    return out.to(dtype)
+
+
+def check_fp8_activations(device: str, seed: int, cases, dtypes, every_tile_up_to: int) -> None:
+    """W8A8 experts (float8 weights with block scales times float8 activations, fused_experts with
+    quantize_activations) against the brute-force reference above, with the routing's layout and every tile
+    family. Their float32 sums run in another order than the reference's (on Hopper the tensor cores also add an
+    FP8 product's terms at reduced precision within each 128-deep K step), and a 16-bit rounding moved by that
+    can move an activation's float8 code by one step, so the bound is looser than the plain experts'; the W8A16
+    result (the same weights, activations unquantized) must miss the reference by at least twice the worst error.
+    Cases of more than `every_tile_up_to` tokens run the default tiles only (the interpreter's time)."""
+    from pellucid.kernels import fused_moe
+    from pellucid.models.fp8_experts import quantize
+    g = torch.Generator().manual_seed(seed)
+    for num_tokens, num_experts, top_k, hidden, inter, block in cases:
+        for dtype in dtypes:
+            weights_of = {}
+            for name, (rows, cols) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
+                codes, scales = quantize(torch.randn(num_experts, rows, cols, generator=g) / cols ** 0.5, block)
+                spread = scales * torch.exp(torch.randn(scales.shape, generator=g))
+                weights_of[name] = (codes.to(device), spread.to(device))
+            (gate_up, gate_up_scale), (down, down_scale) = weights_of["gate_up"], weights_of["down"]
+            spec = _spec(num_experts, top_k, seed % 2 == 0, dtype != torch.float32)
+            x = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(device)
+            logits = (torch.randn(num_tokens, num_experts, generator=g) * 2).to(dtype).to(device)
+            ids, weights, layout = fused_moe.route_and_align(logits, spec)
+            want = _w8a8_reference(x, gate_up, gate_up_scale, down, down_scale, ids, weights).double()
+            what = f"W8A8 experts T={num_tokens} E={num_experts} k={top_k} H={hidden} I={inter} block={block} {dtype}"
+            limit = 5e-3 if dtype == torch.float32 else 1.5e-2
+            rel = lambda got: ((got.cpu().double() - want).norm() / want.norm()).item()  # noqa: E731
+            errors = []
+            for tiles in (None,) + (fused_moe.ALL_TILES if num_tokens <= every_tile_up_to else ()):
+                got = fused_moe.fused_experts(x, gate_up, down, ids, weights, layout if tiles is None else None, tiles,
+                                              gate_up_scale, down_scale, quantize_activations=True)
+                errors.append(rel(got))
+                assert errors[-1] < limit, f"{what} {tiles}: relative error {errors[-1]:.3g} >= {limit}"
+            w8a16 = fused_moe.fused_experts(x, gate_up, down, ids, weights, layout, None, gate_up_scale, down_scale)
+            print(f"{what}: worst relative error {max(errors):.3g} (bound {limit}), W8A16's {rel(w8a16):.3g}")
+            assert rel(w8a16) > 2 * max(errors), f"{what}: W8A16 is within {rel(w8a16):.3g} of the W8A8 reference"
+
+
 def check_block(device: str, seed: int) -> None:
     """The whole SparseMoeBlock (router GEMM, fused routing and experts, Qwen2's shared expert) against
     its torch path, traced (routing observed) and not."""
@@ -194,8 +254,8 @@ def check_block(device: str, seed: int) -> None:
             assert_close(traced.cpu(), ref, torch.float32, f"SparseMoeBlock shared={shared} routing observed")
 
 
-CPU_PARTS = ("routing", "experts", "fp8")   # "block" needs CUDA (the model only dispatches there)
-GPU_PARTS = ("routing", "experts", "fp8", "block")
+CPU_PARTS = ("routing", "experts", "fp8", "a8")   # "block" needs CUDA (the model only dispatches there)
+GPU_PARTS = ("routing", "experts", "fp8", "a8", "block")
 
 
 def run_part(device: str, part: str) -> None:
@@ -220,6 +280,12 @@ def run_part(device: str, part: str) -> None:
             [(1, 128, 8, 2048, 768, (128, 128)), (3, 60, 4, 256, 192, (64, 64)), (300, 16, 2, 256, 384, (64, 128))]
         dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
         check_fp8_experts(device, 0, cases, dtypes)
+    elif part == "a8":
+        cases = [(1, 8, 2, 128, 128, (16, 128)), (70, 8, 2, 128, 256, (128, 128)), (3, 8, 2, 64, 32, (8, 16))] \
+            if on_cpu else [(1, 128, 8, 2048, 768, (128, 128)), (64, 128, 8, 2048, 768, (128, 128)),
+                            (3, 60, 4, 256, 192, (64, 64)), (1024, 128, 8, 2048, 768, (128, 128))]
+        dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
+        check_fp8_activations(device, 0, cases, dtypes, 1 if on_cpu else 1 << 30)
     elif part == "block":
         for seed in range(2):
             check_block(device, seed)

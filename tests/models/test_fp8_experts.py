@@ -208,8 +208,56 @@ def test_tiles_keep_the_block_rows_of_the_routing_layout() -> None:
             for width in (768, 1408, 14336):
                 plain = fused_moe.pick_tiles(tokens, top_k, num_experts, expert_width=width)
                 fp8 = fused_moe.pick_tiles(tokens, top_k, num_experts, fp8=True, expert_width=width)
-                assert fp8.block_m == plain.block_m == routing.block_m, (tokens, top_k, num_experts, width)
+                a8 = fused_moe.pick_tiles(tokens, top_k, num_experts, fp8=True, expert_width=width,
+                                          fp8_activations=True)
+                assert a8.block_m == fp8.block_m == plain.block_m == routing.block_m, (tokens, top_k, num_experts)
                 # the GPU checks (tests/gpu/moe_checks.py) run every family in ALL_TILES
-                assert plain in fused_moe.ALL_TILES and fp8 in fused_moe.ALL_TILES, (tokens, top_k, num_experts)
+                assert all(t in fused_moe.ALL_TILES for t in (plain, fp8, a8)), (tokens, top_k, num_experts)
             # and the FP8 K steps lie in one 128-column scale block
             assert 128 % fp8.gate_up.block_k == 0 and 128 % fp8.down.block_k == 0
+
+
+def test_w8a8_experts_compute_the_brute_force_w8a8(tmp_path, monkeypatch) -> None:
+    """PELLUCID_FP8_EXPERTS=w8a8 (a checkpoint with activation_scheme "dynamic"): the experts' torch path quantizes
+    each GEMM's input per token and weight block as the brute-force reference does (tests/gpu/moe_checks.py), and
+    differs from the W8A16 experts by float8's activation rounding; the kernels under the interpreter are checked
+    there ("a8")."""
+    from tests.gpu.moe_checks import _w8a8_reference
+    arch, overrides, block = CASES["qwen3-moe"]
+    model_dir = quantize_to_fp8(build_tiny_model(arch, str(tmp_path / "full"), seed=3, **overrides),
+                                str(tmp_path / "fp8"), block, seed=1)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["activation_scheme"] == "dynamic"
+    monkeypatch.setenv("PELLUCID_FP8_EXPERTS", "w8a8")
+    model, _ = load_model(model_dir, torch.float32, "cpu")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.fp8_activations and "fp8_activations=True" in repr(experts)
+    monkeypatch.setenv("PELLUCID_FP8_EXPERTS", "1")
+    w8a16 = load_model(model_dir, torch.float32, "cpu")[0].model.layers[0].mlp.experts
+    assert not w8a16.fp8_activations
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, experts.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(9)])
+    weights = torch.softmax(torch.randn(9, 2, generator=g), dim=-1)
+    want = _w8a8_reference(x, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+                           experts.down_proj_scale_inv, ids, weights).double()
+    rel = lambda got: ((got.double() - want).norm() / want.norm()).item()  # noqa: E731
+    with torch.no_grad():
+        assert rel(experts(x, ids, weights)) < 1e-6
+        assert rel(w8a16(x, ids, weights)) > 1e-2
+
+
+def test_w8a8_needs_dynamic_activations_and_a_known_mode(tmp_path, monkeypatch) -> None:
+    arch, overrides, block = CASES["qwen3-moe"]
+    model_dir = quantize_to_fp8(build_tiny_model(arch, str(tmp_path / "full"), seed=3, **overrides),
+                                str(tmp_path / "fp8"), block, seed=1)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        quantization = json.load(f)["quantization_config"]
+    _edit_config(model_dir, quantization_config=dict(quantization, activation_scheme="static"))
+    monkeypatch.setenv("PELLUCID_FP8_EXPERTS", "w8a8")
+    with pytest.raises(ValueError, match="activation_scheme is 'static'"):
+        load_model(model_dir, torch.float32, "cpu")
+    monkeypatch.setenv("PELLUCID_FP8_EXPERTS", "w8a16")
+    with pytest.raises(ValueError, match="PELLUCID_FP8_EXPERTS must be one of 0, 1, w8a8"):
+        load_model(model_dir, torch.float32, "cpu")
+
