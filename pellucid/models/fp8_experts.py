@@ -53,15 +53,21 @@ FP8_MAX = 448.0                     # the largest finite float8 e4m3fn value
 SCALE_SUFFIX = "_scale_inv"         # a weight's block scales: the weight's name + this
 
 
+def _quantization_config(hf_config: Any) -> dict[str, Any] | None:
+    """The config's quantization_config as a dict (transformers may hold it as an object), or None."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization is None or isinstance(quantization, dict):
+        return quantization
+    return quantization.to_dict() if hasattr(quantization, "to_dict") else vars(quantization)
+
+
 def fp8_expert_block(hf_config: Any, layer_idx: int, hidden_size: int, intermediate_size: int,
                      shard: Shard | None) -> tuple[int, int] | None:
     """The [bn, bk] block of layer `layer_idx`'s FP8 experts when they stay in FP8 (module docstring), else None.
     `shard`: this rank's part of the intermediate size under tensor parallelism."""
-    quantization = getattr(hf_config, "quantization_config", None)
+    quantization = _quantization_config(hf_config)
     if quantization is None or fp8_experts_mode() == "0":
         return None
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else vars(quantization)
     block = quantization.get("weight_block_size")
     if (quantization.get("quant_method") != "fp8" or quantization.get("fmt", "e4m3") != "e4m3"
             or not isinstance(block, (list, tuple)) or len(block) != 2):
@@ -95,10 +101,7 @@ def fp8_expert_activations(hf_config: Any) -> bool:
     activations are quantized as it runs (`activation_scheme` "dynamic", as the official Qwen3-*-FP8 declare)."""
     if fp8_experts_mode() != "w8a8":
         return False
-    quantization = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else vars(quantization)
-    scheme = quantization.get("activation_scheme", "dynamic")
+    scheme = (_quantization_config(hf_config) or {}).get("activation_scheme", "dynamic")
     if scheme != "dynamic":
         raise ValueError(f"PELLUCID_FP8_EXPERTS=w8a8 quantizes activations as the model runs; this checkpoint's "
                          f"activation_scheme is {scheme!r}, whose stored activation scales are not supported")
