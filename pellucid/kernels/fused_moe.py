@@ -21,7 +21,6 @@ narrow down tiles too); prefill uses 64-row blocks and wide tiles for the tensor
 """
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +144,8 @@ def fused_expert_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     if x.dtype not in SUPPORTED_DTYPES or gate_up.dtype != weight_dtype or down.dtype != weight_dtype:
         raise ValueError(f"fused MoE needs activations in one of {SUPPORTED_DTYPES} and expert weights in their dtype "
                          f"(or float8 codes with both block scales), got {x.dtype}, {gate_up.dtype}, {down.dtype}")
+    if quantize_activations and not fp8:
+        raise ValueError("FP8 activations need FP8 expert weights with their block scales")
     if x.stride(-1) != 1 or not gate_up.is_contiguous() or not down.is_contiguous():
         raise ValueError("fused MoE needs activations with unit stride along the hidden dimension and contiguous "
                          "expert weights")
@@ -154,10 +155,8 @@ def fused_expert_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                                           quantize_activations), x.dtype)
     if layout is None or layout.block_m != tiles.block_m:
         layout = layout_for(ids, num_experts, tiles.block_m)
-    if quantize_activations and not fp8:
-        raise ValueError("FP8 activations need FP8 expert weights with their block scales")
     if quantize_activations:
-        assert gate_up_scale is not None and down_scale is not None
+        assert gate_up_scale is not None and down_scale is not None     # fp8, checked above
         x8 = quantize_rows(x, gate_up.shape[2] // gate_up_scale.shape[2])
         h = gate_up_silu(x8, gate_up, layout, tiles.gate_up, gate_up_scale, out_dtype=x.dtype)
         h8 = quantize_rows(h, down.shape[2] // down_scale.shape[2])

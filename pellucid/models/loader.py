@@ -186,10 +186,12 @@ def _log_quantized(model: nn.Module, model_dir: str, dtype: torch.dtype) -> None
     fp8 = sum(p.numel() for p in model.parameters() if p.dtype == FP8_DTYPE)
     total = sum(p.numel() for name, p in model.named_parameters() if not name.endswith(SCALE_SUFFIX))
     if fp8:
+        w8a8 = any(getattr(module, "fp8_activations", False) for module in model.modules())
+        use = ("multiply FP8 activations (W8A8, PELLUCID_FP8_EXPERTS=w8a8)" if w8a8
+               else "dequantize as the expert kernels read them")
         logger.warning("%s is a quantized checkpoint: its mixture of experts' weights (%.1f%% of the parameters) "
-                       "stay in FP8 and dequantize as the expert kernels read them; every other 8-bit weight is "
-                       "dequantized to %s as it loads (activations and the KV cache stay in %s)", model_dir,
-                       100.0 * fp8 / max(total, 1), dtype, dtype)
+                       "stay in FP8 and %s; every other 8-bit weight is dequantized to %s as it loads (activations "
+                       "and the KV cache stay in %s)", model_dir, 100.0 * fp8 / max(total, 1), use, dtype, dtype)
     else:
         logger.warning("%s is a quantized checkpoint: its 8-bit weights are dequantized to %s as they load, so it "
                        "serves with the memory and speed of the full-precision model (FP8 is kept only for the "
