@@ -62,8 +62,14 @@ def _candidates(block_m: int, which: str, fp8: bool, a8: bool = False):
 
 
 def _block_ms(tokens: int) -> list[int]:
-    per_expert = tokens * K / E
-    return [16] if per_expert <= 8 else [16, 32] if per_expert <= 32 else [64, 128]
+    """Block rows to sweep: the ones fused_moe.pick_tiles takes at this token count and their neighbours (a few
+    tokens: 16 only)."""
+    from pellucid.kernels import fused_moe
+    if tokens * K / E <= 8:
+        return [16]
+    rows = [16, 32, 64, 128]
+    at = rows.index(fused_moe.pick_tiles(tokens, K, E).block_m)
+    return rows[max(0, at - 1):at + 2]
 
 
 def main() -> None:
@@ -138,13 +144,14 @@ def main() -> None:
                 layouts = [fused_moe.route_and_align(logits[l], spec, fused_moe.MoeTiles(block_m, tiles.gate_up,
                                                                                          tiles.down))
                            for l in range(LAYERS)]
+                h_rows = run_gate_up(x, layouts, tiles.gate_up)     # down reads rows in this layout's order
                 for which in ("gate_up", "down"):
                     best = None
                     for tile in _candidates(block_m, which, args.fp8, a8):
                         if which == "gate_up":
                             fn = lambda tile=tile: run_gate_up(x, layouts, tile)
                         else:
-                            fn = lambda tile=tile: run_down(h, layouts, tile)
+                            fn = lambda tile=tile: run_down(h_rows, layouts, tile)
                         try:
                             us = _graph_us(fn, 10)
                         except Exception as exc:      # a tile Triton cannot build here (shared memory)
