@@ -46,10 +46,10 @@ class MoeTiles:
 # H200 (2026-11-29): from 2 tokens on down takes 128 x 128 tiles (97 against 102 us per layer at 64 tokens, 110
 # against 113 at 256; the engine's batch 64 / 256 steps 1.5% / 1.0% faster; Mixtral-8x7B's batch 16 8.5%), which
 # one token does not (below; 64 x 128 tiles of 2 warps, 9.7 us alone, made the batch-1 step 2.3% slower); mid-size
-# down takes 64-deep K steps (173 against 186 us at 1,024 tokens in 32-row blocks); and the 64-row blocks start at 32 entries per
-# expert, not 64, for every weight format (one layer at 640 / 1,024 tokens: bf16 433 -> 351 / 528 -> 412 us, FP8
-# 451 -> 349 / 586 -> 515, W8A8 341 -> 259 / 438 -> 338; the GEMMs at 512 tokens 4-14% faster; at 384, 24 per
-# expert, the 32-row blocks stay equal or faster).
+# down takes 64-deep K steps (173 against 186 us at 1,024 tokens in 32-row blocks); and the 64-row blocks start at
+# 32 entries per expert, not 64, for every weight format (one layer at 640 / 1,024 tokens: bf16 433 -> 351 / 528 ->
+# 412 us, FP8 451 -> 349 / 586 -> 515, W8A8 341 -> 259 / 438 -> 338; the GEMMs at 512 tokens 4-14% faster; at 384,
+# 24 per expert, the 32-row blocks stay equal or faster).
 ONE_TOKEN_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 64, 4, 4))
 DECODE_TILES = MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(128, 128, 4, 4))
 MID_TILES = MoeTiles(32, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3))
