@@ -65,9 +65,9 @@ FP8_PREFILL_TILES = MoeTiles(64, GemmTile(128, 64, 4, 3), GemmTile(128, 64, 4, 3
 FP8_LONG_PREFILL_TILES = MoeTiles(128, GemmTile(64, 64, 8, 4), GemmTile(128, 64, 4, 4))
 # W8A8 (float8 activations, quantize_rows; `moe_kernel_bench.py --fp8 --fp8-activations --sweep` on an H200,
 # BENCHMARKS.md, issue 19): every K step is one 128-column activation group, and the tensor cores take both float8
-# operands, so prefill tiles are narrower (64 columns at 1,024-2,048 tokens: 174 against 223 us for gate/up) and the
-# longest prefills' down tile takes 8 warps (595 against 1,709 us at 8,192 tokens). Decode and mid-size batches
-# keep the FP8 tiles. Same block rows as the plain tiles.
+# operands, so prefill tiles are narrower (64 columns from 512 tokens on: 174 against 223 us for gate/up at 1,024)
+# and the longest prefills' down tile takes 8 warps (595 against 1,709 us at 8,192 tokens). Decode and mid-size
+# batches keep the FP8 tiles. Same block rows as the plain tiles.
 FP8_A8_PREFILL_TILES = MoeTiles(64, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 3))
 FP8_A8_LONG_PREFILL_TILES = MoeTiles(128, GemmTile(64, 128, 8, 3), GemmTile(128, 128, 8, 4))
 # A lone token's down GEMM streams each chosen expert's [H, I] weights once. With a short K (Qwen3-30B-A3B's I = 768,
