@@ -25,11 +25,12 @@ def rotary_factors(cos_sin_ptr, stride_cs_kind, stride_cs_pos, positions_ptr, to
 
 
 @triton.jit
-def norm_rotate(row_ptrs, mask, offs_d, partner, weight, weight_partner, eps, cos, sin, HEAD_DIM: tl.constexpr):
-    """rotary(rms_norm(x)) of the heads starting at row_ptrs [R, 1], in their dtype [R, BLOCK_D]."""
-    dtype = row_ptrs.dtype.element_ty
-    x = tl.load(row_ptrs + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(row_ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+def norm_rotate(x, x_partner, offs_d, weight, weight_partner, eps, cos, sin, HEAD_DIM: tl.constexpr):
+    """rotary(rms_norm(x)) of loaded heads x [R, BLOCK_D], given each element's rotate_half partner x_partner
+    [R, BLOCK_D], in x's dtype. The caller loads both, so it can issue every load before any arithmetic."""
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    x_partner = x_partner.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
     normed = (weight[None, :] * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     normed_partner = (weight_partner[None, :] * (x_partner * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
