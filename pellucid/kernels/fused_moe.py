@@ -75,9 +75,12 @@ FP8_A8_LONG_PREFILL_TILES = MoeTiles(128, GemmTile(64, 128, 8, 3), GemmTile(128,
 # 128 x 128 tiles; with a long K (Mixtral-8x7B's 14,336) the deeper tiles keep more bytes in flight: 7.77 against
 # 8.28 ms/step (H200, BENCHMARKS.md issue 19 round 14).
 ONE_TOKEN_NARROW_DOWN_MAX_WIDTH = 1024
-# Every family pick_tiles can return, for the checks that run each of them.
-ALL_TILES = (ONE_TOKEN_TILES, DECODE_TILES, MID_TILES, PREFILL_TILES, LONG_PREFILL_TILES, FP8_DECODE_TILES,
-             FP8_MID_TILES, FP8_PREFILL_TILES, FP8_LONG_PREFILL_TILES, FP8_A8_PREFILL_TILES, FP8_A8_LONG_PREFILL_TILES)
+# Every family pick_tiles can return, for the checks that run each of them. The W8A8 families are sized for 1-byte
+# activations: with 2-byte ones the longest prefills' down tile needs 256 KB of shared memory (an H200 has 227).
+A8_TILES = (FP8_A8_PREFILL_TILES, FP8_A8_LONG_PREFILL_TILES)
+PLAIN_ACTIVATION_TILES = (ONE_TOKEN_TILES, DECODE_TILES, MID_TILES, PREFILL_TILES, LONG_PREFILL_TILES,
+                          FP8_DECODE_TILES, FP8_MID_TILES, FP8_PREFILL_TILES, FP8_LONG_PREFILL_TILES)
+ALL_TILES = PLAIN_ACTIVATION_TILES + A8_TILES
 
 
 def pick_tiles(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False, expert_width: int = 0,

@@ -26,10 +26,13 @@ block's K side (128): scale = the group's absolute maximum (at least 1e-10) / 44
 both scales. The results are then not the dequantized checkpoint's: the activations carry float8's 3-bit
 mantissa (about 4% relative on one expert's output). The torch paths compute the same arithmetic, the
 activations quantized and dequantized in float32 (`fake_quantized_activations`), so the CPU, the reference dtype
-and the kernels agree up to summation order. Measured on an H200 (BENCHMARKS.md, issue 19, "W8A8 experts"):
-Qwen3-30B-A3B-FP8's 8k-token prefill 177 against 200 ms, its batch-64 decode step 10.8 against 11.3 ms, batch 1
-unchanged; one MoE layer 1.2-1.5x faster than W8A16 from 256 tokens on. It stays opt-in because it changes the
-numbers the model computes.
+and the kernels agree up to summation order. On Hopper that order includes reduced precision: from 32 entries per
+expert the kernels' tiles sum each K step's float8 products in the tensor cores' fast accumulator, as vLLM's and
+DeepSeek-V3's block-FP8 GEMMs do, and an activation requantized after such a sum can land one float8 step from the
+CPU's (1e-3 to 8e-3 relative per layer; BENCHMARKS.md, issue 19 round 18). Measured on an H200 (BENCHMARKS.md,
+issue 19, "W8A8 experts"): Qwen3-30B-A3B-FP8's 8k-token prefill 177 against 200 ms, its batch-64 decode step 10.8
+against 11.3 ms, batch 1 unchanged; one MoE layer 1.2-1.5x faster than W8A16 from 256 tokens on. It stays opt-in
+because it changes the numbers the model computes.
 
 The experts stay in FP8 when the checkpoint is block-wise FP8 in e4m3, its blocks tile every expert matrix
 (moe_intermediate_size and hidden_size are multiples of both block sides), the layer's experts are not in the

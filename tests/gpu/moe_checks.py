@@ -96,7 +96,7 @@ def _reference(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 
 def check_experts(device: str, seed: int, cases: list[tuple[int, int, int, int, int]], dtypes) -> None:
     """fused_experts against the torch expert loop, with the layout from the routing kernel, a layout made
-    from given int64 ids (the traced path), and every tile family."""
+    from given int64 ids (the traced path), and every tile family for activations in the model's dtype."""
     from pellucid.kernels import fused_moe
     g = torch.Generator().manual_seed(seed)
     for num_tokens, num_experts, top_k, hidden, inter in cases:
@@ -115,7 +115,7 @@ def check_experts(device: str, seed: int, cases: list[tuple[int, int, int, int, 
             assert_close(out.cpu(), ref, dtype, what)
             assert_close(fused_moe.fused_experts(x, *weight_args, ids.long(), weights).cpu(), ref, dtype,
                          f"{what} (int64 ids, own layout)")
-            for tiles in fused_moe.ALL_TILES:
+            for tiles in fused_moe.PLAIN_ACTIVATION_TILES:
                 assert_close(fused_moe.fused_experts(x, *weight_args, ids, weights, None, tiles).cpu(), ref, dtype,
                              f"{what} {tiles}")
 
@@ -124,8 +124,8 @@ def check_fp8_experts(device: str, seed: int, cases, dtypes) -> None:
     """Experts kept as float8 codes with block scales (pellucid.models.fp8_experts) against the same experts
     dequantized first (code * scale in float32, rounded to the dtype): bit for bit in float32, within the dtype's
     rounding in 16 bits (the compiled 8-bit operand sums its K products in another order: moe_gemm.py; the
-    interpreter truncates to 16 bits instead of rounding); every tile family, both layouts, and the torch loop of
-    the FP8 module against the dequantized module's (bit for bit)."""
+    interpreter truncates to 16 bits instead of rounding); every tile family for unquantized activations, both
+    layouts, and the torch loop of the FP8 module against the dequantized module's (bit for bit)."""
     from pellucid.kernels import fused_moe
     from pellucid.models.fp8_experts import dequantize, quantize
     from pellucid.models.moe import FusedExperts
@@ -159,7 +159,7 @@ def check_fp8_experts(device: str, seed: int, cases, dtypes) -> None:
 
             check(fp8(x, ids, weights, layout), plain(x, ids, weights, layout), "routing layout")
             check(fp8(x, ids.long(), weights), plain(x, ids.long(), weights), "own layout")
-            for tiles in fused_moe.ALL_TILES:
+            for tiles in fused_moe.PLAIN_ACTIVATION_TILES:
                 got = fused_moe.fused_experts(x, fp8.gate_up_proj, fp8.down_proj, ids, weights, None, tiles,
                                               fp8.gate_up_proj_scale_inv, fp8.down_proj_scale_inv)
                 check(got, fused_moe.fused_experts(x, plain.gate_up_proj, plain.down_proj, ids, weights, None, tiles),
