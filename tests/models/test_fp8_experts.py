@@ -219,6 +219,37 @@ def test_tiles_keep_the_block_rows_of_the_routing_layout() -> None:
             assert 128 % fp8.gate_up.block_k == 0 and 128 % fp8.down.block_k == 0
 
 
+# The shared memory one program may take on an H100 or H200 (Triton's "Hardware limit" there).
+HOPPER_SHARED_MEMORY = 232_448
+
+
+def _pipelined_bytes(tiles, activation_bytes: int, weight_bytes: int) -> int:
+    """Shared memory of the expert GEMMs' software pipelines, the larger of the two: num_stages copies of the
+    activation tile and of the weight tiles (gate and up, or down) that one K step reads."""
+    gate_up, down = tiles.gate_up, tiles.down
+    return max(gate_up.num_stages * gate_up.block_k * (tiles.block_m * activation_bytes
+                                                       + 2 * gate_up.block_n * weight_bytes),
+               down.num_stages * down.block_k * (tiles.block_m * activation_bytes + down.block_n * weight_bytes))
+
+
+def test_tile_families_fit_hoppers_shared_memory() -> None:
+    """Every family fits for the activations it serves: the plain ones for 2- and 4-byte activations (fit_dtype
+    halves K for 4) with 16-bit, 32-bit or float8 weights, the W8A8 ones for float8 codes. The estimate is exact where
+    an H200 measured it: the long W8A8 family's down tile with 2-byte operands raised OutOfResources, "Required:
+    262144" (BENCHMARKS.md, issue 19 round 18), which is why the GPU checks run it with float8 activations only."""
+    pytest.importorskip("triton")
+    from pellucid.kernels import fused_moe
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        size = torch.empty((), dtype=dtype).element_size()
+        for family in fused_moe.PLAIN_ACTIVATION_TILES:
+            tiles = fused_moe.fit_dtype(family, dtype)
+            for weight_bytes in (size, 1):
+                assert _pipelined_bytes(tiles, size, weight_bytes) <= HOPPER_SHARED_MEMORY, (family, dtype)
+        for family in fused_moe.A8_TILES:
+            assert _pipelined_bytes(fused_moe.fit_dtype(family, dtype), 1, 1) <= HOPPER_SHARED_MEMORY, (family, dtype)
+    assert _pipelined_bytes(fused_moe.FP8_A8_LONG_PREFILL_TILES, 2, 2) == 262_144
+
+
 def test_w8a8_experts_compute_the_brute_force_w8a8(tmp_path, monkeypatch) -> None:
     """PELLUCID_FP8_EXPERTS=w8a8 (a checkpoint with activation_scheme "dynamic"): the experts' torch path quantizes
     each GEMM's input per token and weight block as the brute-force reference does (tests/gpu/moe_checks.py), and
