@@ -82,8 +82,8 @@ def test_w8a8_experts_engine_against_the_cpu_engine(tmp_path, monkeypatch):
     tensor-core instructions add each K step's products at reduced precision (as vLLM's and DeepSeek-V3's block-FP8
     GEMMs do), and the down GEMM's input quantization turns those small differences into float8 codes one step
     apart: 1e-3 to 8e-3 relative per layer, bounded by tests/gpu/moe_checks.py's "a8" part. On this model one prefill
-    of all the sequences then scores them 0.021 from the CPU on average (max 0.41), W8A16 0.054 (max 0.68): another
-    W8A8 rounding, not a test of the plumbing (BENCHMARKS.md, issue 19 round 18)."""
+    of all the sequences then scores them 0.021 from the CPU on average (max 0.41), W8A16 0.054 (max 0.68): that
+    measures W8A8's rounding on Hopper, not the plumbing this test checks (BENCHMARKS.md, issue 19 round 18)."""
     from pellucid.llm import LLM
     from pellucid.sampling_params import SamplingParams
     from pellucid.tiny_models import build_tiny_model
