@@ -229,6 +229,26 @@ def check_fp8_activations(device: str, seed: int, cases, dtypes, every_tile_up_t
             assert rel(w8a16) > 2 * max(errors), f"{what}: W8A16 is within {rel(w8a16):.3g} of the W8A8 reference"
 
 
+def check_deep_activation_groups_refused(device: str) -> None:
+    """W8A8 with weight blocks 256 deep along K is a clear error (the tiles' pipelines hold K steps of at most 128),
+    not a launch that runs out of shared memory."""
+    from pellucid.kernels import fused_moe
+    from pellucid.models.fp8_experts import quantize
+    g = torch.Generator().manual_seed(0)
+    gate_up, gate_up_scale = quantize(torch.randn(4, 256, 256, generator=g), (128, 256))
+    down, down_scale = quantize(torch.randn(4, 256, 128, generator=g), (128, 128))
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    weights = torch.full((2, 2), 0.5, device=device)
+    x = torch.randn(2, 256, generator=g).to(device)
+    try:
+        fused_moe.fused_experts(x, gate_up.to(device), down.to(device), ids, weights, None, None,
+                                gate_up_scale.to(device), down_scale.to(device), quantize_activations=True)
+    except ValueError as e:
+        assert "16-128" in str(e), e
+    else:
+        raise AssertionError("W8A8 with 256-deep weight blocks ran")
+
+
 def check_block(device: str, seed: int) -> None:
     """The whole SparseMoeBlock (router GEMM, fused routing and experts, Qwen2's shared expert) against
     its torch path, traced (routing observed) and not."""
@@ -286,6 +306,7 @@ def run_part(device: str, part: str) -> None:
                             (3, 60, 4, 256, 192, (64, 64)), (1024, 128, 8, 2048, 768, (128, 128))]
         dtypes = (torch.float32, torch.float16) if on_cpu else (torch.float32, torch.bfloat16)
         check_fp8_activations(device, 0, cases, dtypes, 1 if on_cpu else 1 << 30)
+        check_deep_activation_groups_refused(device)
     elif part == "block":
         for seed in range(2):
             check_block(device, seed)

@@ -223,20 +223,24 @@ def test_tiles_keep_the_block_rows_of_the_routing_layout() -> None:
 HOPPER_SHARED_MEMORY = 232_448
 
 
-def _pipelined_bytes(tiles, activation_bytes: int, weight_bytes: int) -> int:
+def _pipelined_bytes(tiles, activation_bytes: int, weight_bytes: int, block_k: int | None = None) -> int:
     """Shared memory of the expert GEMMs' software pipelines, the larger of the two: num_stages copies of the
-    activation tile and of the weight tiles (gate and up, or down) that one K step reads."""
+    activation tile and of the weight tiles (gate and up, or down) that one K step reads; `block_k`: the K step the
+    launch takes instead of the tiles' (W8A8 steps by the weight block's K side)."""
     gate_up, down = tiles.gate_up, tiles.down
-    return max(gate_up.num_stages * gate_up.block_k * (tiles.block_m * activation_bytes
-                                                       + 2 * gate_up.block_n * weight_bytes),
-               down.num_stages * down.block_k * (tiles.block_m * activation_bytes + down.block_n * weight_bytes))
+    return max(gate_up.num_stages * (block_k or gate_up.block_k) * (tiles.block_m * activation_bytes
+                                                                    + 2 * gate_up.block_n * weight_bytes),
+               down.num_stages * (block_k or down.block_k) * (tiles.block_m * activation_bytes
+                                                              + down.block_n * weight_bytes))
 
 
 def test_tile_families_fit_hoppers_shared_memory() -> None:
     """Every family fits for the activations it serves: the plain ones for 2- and 4-byte activations (fit_dtype
-    halves K for 4) with 16-bit, 32-bit or float8 weights, the W8A8 ones for float8 codes. The estimate is exact where
-    an H200 measured it: the long W8A8 family's down tile with 2-byte operands raised OutOfResources, "Required:
-    262144" (BENCHMARKS.md, issue 19 round 18), which is why the GPU checks run it with float8 activations only."""
+    halves K for 4) with 16-bit, 32-bit or float8 weights (whose K steps are at most the tile's); under W8A8 every
+    family W8A8 can take, with float8 codes on both sides, at K steps of the weight block's K side up to 128, the
+    most moe_gemm accepts. The estimate is exact where an H200 measured it: the long W8A8 family's down tile with
+    2-byte operands raised OutOfResources, "Required: 262144" (BENCHMARKS.md, issue 19 round 18), which is why
+    the GPU checks run it with float8 activations only; 256-deep W8A8 steps would need as much."""
     pytest.importorskip("triton")
     from pellucid.kernels import fused_moe
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -245,9 +249,11 @@ def test_tile_families_fit_hoppers_shared_memory() -> None:
             tiles = fused_moe.fit_dtype(family, dtype)
             for weight_bytes in (size, 1):
                 assert _pipelined_bytes(tiles, size, weight_bytes) <= HOPPER_SHARED_MEMORY, (family, dtype)
-        for family in fused_moe.A8_TILES:
-            assert _pipelined_bytes(fused_moe.fit_dtype(family, dtype), 1, 1) <= HOPPER_SHARED_MEMORY, (family, dtype)
+        for family in fused_moe.ALL_TILES:
+            tiles = fused_moe.fit_dtype(family, dtype)
+            assert _pipelined_bytes(tiles, 1, 1, block_k=128) <= HOPPER_SHARED_MEMORY, (family, dtype)
     assert _pipelined_bytes(fused_moe.FP8_A8_LONG_PREFILL_TILES, 2, 2) == 262_144
+    assert _pipelined_bytes(fused_moe.FP8_A8_LONG_PREFILL_TILES, 1, 1, block_k=256) == 262_144
 
 
 def test_w8a8_experts_compute_the_brute_force_w8a8(tmp_path, monkeypatch) -> None:
