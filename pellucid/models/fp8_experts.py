@@ -156,4 +156,3 @@ def fake_quantized_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     """x's values after quantize_activations, in float32: codes * their group's scale."""
     codes, scale = quantize_activations(x, group)
     return (codes.float().reshape(*scale.shape, group) * scale.unsqueeze(-1)).reshape(x.shape)
-
