@@ -46,7 +46,7 @@ def test_stepping_ahead_does_not_sync(tiny_model_factory, arch):
 
     model_dir = tiny_model_factory(arch, num_hidden_layers=2)
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=12,
-              cuda_graph_sizes=[1, 2, 4], async_scheduling=True)
+              num_kv_blocks=1024, cuda_graph_sizes=[1, 2, 4], async_scheduling=True)
     core = llm.engine
     g = torch.Generator().manual_seed(0)
     kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3), dict(temperature=1.0, top_k=20)]

@@ -48,7 +48,7 @@ def test_saves_reuse_pinned_memory_across_tap_captures(tiny_model_factory):
 
     model_dir = tiny_model_factory("llama", num_hidden_layers=3)
     llm = LLM(model_dir, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
-              cuda_graph_sizes=[1, 2, 4, 8])
+              num_kv_blocks=1024, cuda_graph_sizes=[1, 2, 4, 8])
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 500, (int(n),), generator=g).tolist() for n in torch.randint(20, 60, (8,), generator=g)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

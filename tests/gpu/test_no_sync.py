@@ -36,7 +36,7 @@ def test_engine_steps_do_not_sync(tiny_model_factory, enforce_eager, arch):
     model_dir = tiny_model_factory(arch, num_hidden_layers=2)
     # Graph sizes up to 4 only: larger decode batches take the eager path, which must not sync either.
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=12,
-              cuda_graph_sizes=[1, 2, 4], enforce_eager=enforce_eager)
+              num_kv_blocks=1024, cuda_graph_sizes=[1, 2, 4], enforce_eager=enforce_eager)
     core = llm.engine
     g = torch.Generator().manual_seed(0)
 

@@ -47,7 +47,7 @@ def test_a_steady_graph_decode_step_copies_its_inputs_once(tiny_model_factory) -
 
     model_dir = tiny_model_factory("qwen3", num_hidden_layers=2)
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4,
-              cuda_graph_sizes=[1, 2, 4])
+              num_kv_blocks=1024, cuda_graph_sizes=[1, 2, 4])
     core = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     for i in range(3):
