@@ -88,8 +88,8 @@ def build_sampling_metadata(requests: list[Request], device: torch.device | str)
             raise ValueError(f"requests {unbound} ask for structured outputs but carry no grammar matcher (the "
                              "engine that queues a request binds one)")
     if grammar_rows:
-        grammar_bitmask = fill_bitmasks([requests[row].grammar for row in grammar_rows])
-        grammar_bitmask = grammar_bitmask.to(device, non_blocking=True)   # pinned on CUDA machines
+        grammar_bitmask = fill_bitmasks([requests[row].grammar for row in grammar_rows], pin=device.type == "cuda")
+        grammar_bitmask = grammar_bitmask.to(device, non_blocking=True)
     full_vocab_kinds = {id(p) for p in kinds if p.logprobs is not None or p.needs_penalties or p.edits_logits}
     full_vocab_rows = set(banned)
     if full_vocab_kinds:

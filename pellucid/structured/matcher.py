@@ -71,12 +71,13 @@ class GrammarMatcher:
         return self._matcher
 
 
-def fill_bitmasks(matchers: list[GrammarMatcher]) -> torch.Tensor:
-    """[len(matchers), bitmask_words] int32 on the host (pinned where CUDA is): row i allows what matcher i may
-    take next. Computed in parallel threads, outside the GIL."""
+def fill_bitmasks(matchers: list[GrammarMatcher], pin: bool) -> torch.Tensor:
+    """[len(matchers), bitmask_words] int32 on the host (pinned if `pin`, for an asynchronous copy to a GPU):
+    row i allows what matcher i may take next. Computed in parallel threads, outside the GIL. A CPU engine
+    passes pin=False: pinning would open a CUDA context on a GPU host for an engine that never uses it."""
     import llguidance.torch as lt
     out = torch.empty(len(matchers), bitmask_words(matchers[0].vocab_size), dtype=torch.int32,
-                      pin_memory=torch.cuda.is_available())
+                      pin_memory=pin)
     lt.fill_next_token_bitmask_par(_executor(), [(m.llmatcher, i) for i, m in enumerate(matchers)], out)
     return out
 
