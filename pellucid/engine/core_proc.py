@@ -102,6 +102,12 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def thaw_startup_heap() -> None:
+    """Undo freeze_startup_heap before a normal interpreter exit: frozen objects are never finalized, and
+    extension modules built on nanobind (triton's) then report each of theirs as leaked on stderr."""
+    gc.unfreeze()
+
+
 def _exit(context: zmq.Context, sockets: list[zmq.Socket], code: int) -> None:
     """Deliver what is still queued for the frontend, then leave at once."""
     exit_now(context, sockets, code, linger_ms=5000)

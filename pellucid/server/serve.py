@@ -65,7 +65,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_server(args: argparse.Namespace) -> int:
     from pellucid.engine.async_llm import AsyncLLM
     from pellucid.engine.core_client import EngineStartupError
-    from pellucid.engine.core_proc import freeze_startup_heap
+    from pellucid.engine.core_proc import freeze_startup_heap, thaw_startup_heap
     from pellucid.server.app import build_app
 
     model = args.model
@@ -111,6 +111,7 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         # Whatever uvicorn left running is aborted here, so every KV block is returned before exit.
         llm.shutdown()
+        thaw_startup_heap()
     if not server.started:
         logger.error("the server did not start (see the error above)")
         return 1

@@ -135,9 +135,13 @@ def test_sigterm_exits_zero_and_leaves_no_children(server_model_dir):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         thread.join(30)
-        assert proc.returncode == 0, proc.stdout.read()
+        output = proc.stdout.read()
+        assert proc.returncode == 0, output
         assert result["lines"][-1] == "data: [DONE]"       # the request in flight was drained, not cut off
         assert not alive(engine)
+        # A clean stop says nothing alarming: nanobind (triton's bindings) lists objects it sees leaked at
+        # exit, which the start-up heap's gc.freeze would cause if serve did not thaw it first.
+        assert "leaked" not in output, output[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
