@@ -96,6 +96,26 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.local_bias)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random initialisation. Every model is built on the meta device and then filled
+    from its checkpoint (models/loader.py), so the draw is wasted, and on the meta device torch's `normal_`
+    imports torch._dynamo: about a second of an engine process's start-up where nothing else imports it."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def _stacked(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along dim 0, written as copies into one new tensor: models are built on the meta
+    device, where torch.cat (unlike empty and copy_) imports torch._dynamo, as Embedding's init would."""
+    out = parts[0].new_empty((sum(part.shape[0] for part in parts), *parts[0].shape[1:]))
+    offset = 0
+    for part in parts:
+        out[offset:offset + part.shape[0]].copy_(part)
+        offset += part.shape[0]
+    return out
+
+
 class MergedLinear:
     """Several nn.Linear modules reading one input, stored as row blocks of one weight (and bias).
 
@@ -119,8 +139,8 @@ class MergedLinear:
     def merge(self) -> None:
         """Copy the linears' current values into fresh merged storage and make their parameters views of it."""
         with torch.no_grad():
-            self.weight = torch.cat([linear.weight for linear in self.linears])
-            self.bias = torch.cat([linear.bias for linear in self.linears]) if self.linears[0].bias is not None \
+            self.weight = _stacked([linear.weight for linear in self.linears])
+            self.bias = _stacked([linear.bias for linear in self.linears]) if self.linears[0].bias is not None \
                 else None
             offset = 0
             for linear, size in zip(self.linears, self.sizes):

@@ -20,7 +20,7 @@ from torch import nn
 
 from pellucid.attention.layer import Attention
 from pellucid.attention.metadata import get_forward_context
-from pellucid.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from pellucid.models.layers import Embedding, RMSNorm, RotaryEmbedding, silu_and_mul
 from pellucid.models.recurrent_state import current_recurrent_state
 from pellucid.models.registry import register_model
 
@@ -199,7 +199,7 @@ class Lfm2Model(nn.Module):
     def __init__(self, hf_config: Any, max_positions: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, **factory)
+        self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, **factory)
         self.rotary_emb = RotaryEmbedding(hf_config, max_positions, device)
         layers = []
         counts = {"full_attention": 0, "conv": 0}

@@ -28,7 +28,7 @@ from torch import nn
 
 from pellucid.distributed.parallel_state import (Shard, TensorParallel, even_shard, get_tensor_parallel, padded_shard,
                                                  replicated_shard)
-from pellucid.models.layers import Linear, linear
+from pellucid.models.layers import Embedding, Linear, linear
 
 
 def _tp() -> TensorParallel | None:
@@ -132,7 +132,7 @@ def row_linear(in_units: int, unit: int, out_features: int, bias: bool, dtype: t
     return RowParallelLinear(shard, unit, out_features, bias, dtype, device)
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """nn.Embedding of which this rank holds vocabulary rows `shard`: rows of other ranks' tokens are
     zero here, and an all-reduce assembles every token's row."""
 
@@ -150,10 +150,10 @@ class VocabParallelEmbedding(nn.Embedding):
         return tp.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
 
 
-def vocab_embedding(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> nn.Embedding:
+def vocab_embedding(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> Embedding:
     tp = _tp()
     if tp is None:
-        return nn.Embedding(vocab_size, hidden_size, dtype=dtype, device=device)
+        return Embedding(vocab_size, hidden_size, dtype=dtype, device=device)
     return VocabParallelEmbedding(padded_shard(vocab_size, tp.size, tp.rank), hidden_size, dtype, device)
 
 

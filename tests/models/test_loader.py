@@ -181,3 +181,29 @@ def test_tiny_tokenizer_round_trips_and_renders_chatml(llama_dir: str) -> None:
     ids = tokenizer(rendered)["input_ids"]
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe", "lfm2"])
+def test_loading_a_model_imports_no_compiler_machinery(arch: str, tmp_path) -> None:
+    """Models are built on the meta device and then loaded. Some meta ops import torch._dynamo (nn.Embedding's
+    normal_ init, torch.cat of the merged projections) or sympy (empty_like, in nn.Module.to_empty): together
+    about 1.2 s of every engine process's start-up on the dev machine; the loader and layers avoid them.
+    Checked in a fresh interpreter, after the config is read (some transformers versions import both
+    themselves while reading one, and then there is nothing left to check)."""
+    import subprocess
+    import sys
+
+    model_dir = build_tiny_model(arch, str(tmp_path / arch), seed=1)
+    script = ("import sys, torch\n"
+              "from pellucid.models.loader import load_model, read_hf_config\n"
+              "watched = ('torch._dynamo', 'sympy')\n"
+              f"read_hf_config({model_dir!r})\n"
+              "print('by the config:', [name for name in watched if name in sys.modules])\n"
+              f"model, _ = load_model({model_dir!r}, dtype=torch.float32, device='cpu', max_model_len=64)\n"
+              "assert sum(p.numel() for p in model.parameters()) > 0\n"
+              "print('by the model:', [name for name in watched if name in sys.modules])\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    if "by the config: []" not in run.stdout:
+        pytest.skip(f"this transformers imports them while reading a config: {run.stdout.splitlines()[0]}")
+    assert "by the model: []" in run.stdout, run.stdout + run.stderr[-3000:]

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pellucid.kernels import fused_kernels_enabled
+from pellucid.models.layers import Embedding
 from pellucid.models.qwen3_omni.configs import OmniConfig
 from pellucid.models.qwen3_omni.dense import DenseStack
 
@@ -119,7 +120,7 @@ class Code2Wav(nn.Module):
         self.codebook_size = int(config.codebook_size)
         self.pre_transformer = DenseStack(config, qk_norm=False, sliding_window=int(config.sliding_window),
                                           layer_scale=True, **factory)
-        self.code_embedding = nn.Embedding(self.codebook_size * self.num_quantizers, config.hidden_size, **factory)
+        self.code_embedding = Embedding(self.codebook_size * self.num_quantizers, config.hidden_size, **factory)
         self.upsample = nn.ModuleList(
             nn.ModuleList([CausalTransConvNet(config.hidden_size, config.hidden_size, factor, factor, **factory),
                            ConvNeXtBlock(config.hidden_size, **factory)])

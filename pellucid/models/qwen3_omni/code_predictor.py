@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pellucid.kernels import fused_kernels_enabled
-from pellucid.models.layers import Linear
+from pellucid.models.layers import Embedding, Linear
 from pellucid.models.qwen3_omni.dense import DenseStack, KVCache
 from pellucid.runner.sampler import HEAD_STREAM, exponential_noise
 
@@ -70,7 +70,7 @@ class CodePredictorModel(DenseStack):
         super().__init__(config, qk_norm=True, sliding_window=None, layer_scale=False, dtype=dtype, device=device,
                          max_positions=int(config.num_code_groups))
         self.codec_embedding = nn.ModuleList(
-            nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
             for _ in range(config.num_code_groups - 1))
 
 

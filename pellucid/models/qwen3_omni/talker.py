@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pellucid.attention.metadata import get_forward_context
+from pellucid.models.layers import Embedding
 from pellucid.models.llama import AttentionOptions, DecoderModel, check_supported_config
 from pellucid.models.moe import MoeSpec, SparseMoeBlock
 from pellucid.models.moe_models import _num_experts
@@ -80,7 +81,7 @@ class TalkerModel(DecoderModel):
 
         super().__init__(config, AttentionOptions(qk_norm=True), max_positions, dtype, device, make_mlp=sparse_mlp)
         del self.embed_tokens
-        self.codec_embedding = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.codec_embedding = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
 
     def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         return self.forward_embeds(inputs_embeds)
