@@ -52,6 +52,10 @@ class ModelConfig:
     # config), e.g. {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}.
     hf_overrides: dict[str, Any] | None = None
 
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
+
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the vocabulary, got {self.max_logprobs!r}")

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from pellucid.config import EngineConfig
-from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, make_client
+from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, start_engine
 from pellucid.engine.engine_core import EngineCore, EngineInfo
 from pellucid.engine.input_processor import InputProcessor, ProcessedRequest, send
 from pellucid.engine.output_processor import OutputProcessor
@@ -22,7 +22,7 @@ from pellucid.outputs import (ClassificationOutput, ClassificationRequestOutput,
                               EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from pellucid.pooling.config import PoolerConfig, PoolingParams
 from pellucid.sampling_params import SamplingParams
-from pellucid.tokenizer import apply_chat_template, load_tokenizer
+from pellucid.tokenizer import apply_chat_template
 
 logger = get_logger(__name__)
 
@@ -68,9 +68,9 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         self.config = config
-        self.client: EngineCoreClient = make_client(config, asynchronous=False)
+        self.client: EngineCoreClient
+        self.client, self.tokenizer = start_engine(config, asynchronous=False)
         self.info: EngineInfo = self.client.info
-        self.tokenizer = load_tokenizer(self.info.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer, self.info.eos_token_ids)
         self._ids = itertools.count()

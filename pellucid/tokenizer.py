@@ -1,13 +1,19 @@
 """Tokenizer loading, EOS ids, chat templates and incremental detokenization."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    # transformers is imported here, not with this module: its import is seconds on some machines, and a
+    # frontend starts its engine process first so that the two overlap (AsyncLLM._start).
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises many types; say which directory failed

@@ -75,7 +75,7 @@ class Worker:
             return get_feature(key).on_rank(value, request, runner)
         def grammar_for(request: Any) -> Any:
             model = self.config.model
-            return matcher_for(request.sampling_params, model.tokenizer or model.model, runner.head.vocab_size,
+            return matcher_for(request.sampling_params, model.tokenizer_dir, runner.head.vocab_size,
                                request.eos_token_ids)
         requests = WorkerRequests(setup.max_model_len, bind, grammar_for)
         logger.info("tensor-parallel rank %d ready (pid %d)", self.rank, os.getpid())

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import pellucid
 from pellucid.config import EngineConfig
-from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, make_client
+from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, start_engine
 from pellucid.engine.engine_core import EngineCore, EngineInfo
 from pellucid.engine.input_processor import InputProcessor, send
 from pellucid.engine.messages import EngineCoreOutputs, EngineStats
@@ -28,7 +28,6 @@ from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
 from pellucid.outputs import RequestOutput
 from pellucid.sampling_params import SamplingParams
-from pellucid.tokenizer import load_tokenizer
 
 logger = get_logger(__name__)
 
@@ -119,9 +118,9 @@ class AsyncLLM:
 
     def _start(self, config: EngineConfig) -> None:
         self.config = config
-        self._client: EngineCoreClient = make_client(config, asynchronous=True)
+        self._client: EngineCoreClient
+        self._client, self.tokenizer = start_engine(config, asynchronous=True)
         self.info: EngineInfo = self._client.info
-        self.tokenizer = load_tokenizer(self.info.tokenizer)
         self.max_model_len: int = self.info.max_model_len
         self.model_name: str = self.info.model_name
         self._inputs = InputProcessor(self.tokenizer, self.info)

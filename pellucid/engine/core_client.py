@@ -25,7 +25,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,10 @@ from pellucid.engine.engine_core import EngineCore, EngineInfo, build_core
 from pellucid.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineStats, FinishRequests, Shutdown,
                                       UtilityCall, UtilityResult)
 from pellucid.logger import get_logger
+from pellucid.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = get_logger(__name__)
 
@@ -93,6 +97,11 @@ class EngineCoreClient(ABC):
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine: requests in flight are aborted. Idempotent."""
 
+    def wait_ready(self) -> EngineInfo:
+        """Block until the engine can take requests and return its info (EngineStartupError if it could
+        not start). A core built in this process is ready once its client exists."""
+        return self.info
+
     @property
     def dead_reason(self) -> str | None:
         """Why the engine is gone (None while it runs)."""
@@ -114,9 +123,10 @@ class EngineCoreClient(ABC):
                            "start it with engine_process=False to reach its objects")
 
 
-def make_client(config: EngineConfig, asynchronous: bool) -> EngineCoreClient:
+def make_client(config: EngineConfig, asynchronous: bool, wait: bool = True) -> EngineCoreClient:
     """The client a frontend gets: `config.runner.engine_process` (None: a process for asyncio frontends,
-    in-process for synchronous ones)."""
+    in-process for synchronous ones). With wait=False an engine process may still be starting: call
+    `wait_ready()` before anything else."""
     in_process = config.runner.engine_process is False or (config.runner.engine_process is None and not asynchronous)
     if config.parallel.tensor_parallel_size > 1:
         config.parallel.validate()
@@ -131,8 +141,28 @@ def make_client(config: EngineConfig, asynchronous: bool) -> EngineCoreClient:
         in_process = False
     if not in_process:
         from pellucid.engine.core_proc import MPClient
-        return MPClient(config)
+        client = MPClient(config)
+        if wait:
+            client.wait_ready()
+        return client
     return ThreadedClient(config) if asynchronous else InprocClient(config)
+
+
+def start_engine(config: EngineConfig, asynchronous: bool) -> tuple[EngineCoreClient, PreTrainedTokenizerBase]:
+    """A frontend's ready client and its tokenizer. The tokenizer loads (and transformers imports: seconds
+    on some machines) while an engine process starts."""
+    client = make_client(config, asynchronous, wait=False)
+    try:
+        try:
+            tokenizer = load_tokenizer(config.model.tokenizer_dir)
+        except Exception:
+            client.wait_ready()     # an engine that cannot start says so before the tokenizer does
+            raise
+        client.wait_ready()
+    except BaseException:           # Ctrl-C included: an engine still starting stops at once
+        client.shutdown(timeout=5.0)
+        raise
+    return client, tokenizer
 
 
 class InprocClient(EngineCoreClient):

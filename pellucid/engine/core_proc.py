@@ -177,7 +177,10 @@ def _exit_when_frontend_is_gone(pipe: Any) -> None:
 
 # ---- the frontend's side ----------------------------------------------------------------------------
 class MPClient(BackgroundClient):
-    """Starts the engine-core process and talks to it; any thread may send, one thread receives."""
+    """Starts the engine-core process and talks to it; any thread may send, one thread receives.
+
+    The constructor starts the process and returns; `wait_ready()` waits for its start-up to finish, so
+    the frontend can do its own (load a tokenizer) meanwhile."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
@@ -189,23 +192,36 @@ class MPClient(BackgroundClient):
         self._output.bind(f"ipc://{self._dir}/output")
         self._encoder = MessageEncoder()
         self._send_lock = threading.Lock()
+        self._receiver: threading.Thread | None = None      # started once the engine is ready
         self._proc = _start_process(StartupSettings(config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
                                                     get_logger().getEffectiveLevel(), torch.get_num_threads()))
-        try:
-            self.info = self._wait_ready()
-        except BaseException:
-            self._stop_process(timeout=5.0)
-            self._close_sockets()
-            raise
-        self._receiver = threading.Thread(target=self._receive_loop, name="pellucid-engine-client", daemon=True)
-        self._receiver.start()
         _LIVE_CLIENTS.add(self)
 
     @property
     def pid(self) -> int:
         return self._proc.pid
 
-    def _wait_ready(self) -> Any:
+    def wait_ready(self) -> Any:
+        if self._receiver is not None:
+            return self.info
+        if self._closing:
+            raise EngineStartupError("the engine was shut down before it was ready")
+        try:
+            self.info = self._read_startup()
+        except BaseException as exc:
+            self._closing = True
+            _LIVE_CLIENTS.discard(self)
+            if not isinstance(exc, EngineStartupError):
+                self._proc.stdin.close()    # cut short (Ctrl-C): the end of its pipe stops it at once
+            # (an engine that failed has said why and exits by itself)
+            self._stop_process(timeout=5.0)
+            self._close_sockets()
+            raise
+        self._receiver = threading.Thread(target=self._receive_loop, name="pellucid-engine-client", daemon=True)
+        self._receiver.start()
+        return self.info
+
+    def _read_startup(self) -> Any:
         decoder = MessageDecoder(_Startup)
         while not self._output.poll(_POLL_MS):
             code = self._proc.poll()
@@ -263,13 +279,18 @@ class MPClient(BackgroundClient):
             return
         self._closing = True
         _LIVE_CLIENTS.discard(self)
-        if self._dead is None and self._proc.poll() is None:
+        if self._receiver is None:
+            # Not ready (still starting, or failed to): it reads no inputs yet, but it exits as soon as its
+            # stdin, the frontend's pipe, closes.
+            self._proc.stdin.close()
+        elif self._dead is None and self._proc.poll() is None:
             try:
                 self._send(Shutdown())
             except zmq.ZMQError:
                 pass
         self._stop_process(timeout)
-        self._receiver.join(timeout=5.0)
+        if self._receiver is not None:
+            self._receiver.join(timeout=5.0)
         self._declare_dead("the engine was shut down")
         self._close_sockets()
 

@@ -123,7 +123,7 @@ class EngineCore:
         # A model whose vocabulary is not the tokenizer's (a pipeline stage's codec tokens) names its own EOS ids.
         model_eos = getattr(self.model, "eos_token_ids", None)
         self.eos_token_ids = set(model_eos) if model_eos is not None else \
-            _eos_token_ids(mc.model, mc.tokenizer or mc.model, self.hf_config)
+            _eos_token_ids(mc.model, mc.tokenizer_dir, self.hf_config)
         self._resolve_prefix_caching()
         self.block_pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -188,7 +188,7 @@ class EngineCore:
         config, sc = self.config, self.config.scheduler
         info = EngineInfo(
             version=pellucid.__version__, model=config.model.model,
-            tokenizer=config.model.tokenizer or config.model.model, model_name=self.model_name,
+            tokenizer=config.model.tokenizer_dir, model_name=self.model_name,
             architecture=type(self.model).__name__, dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device), pid=os.getpid(), max_model_len=self.max_model_len,
             vocab_size=self.runner.head.vocab_size, num_hidden_layers=int(self.hf_config.num_hidden_layers),
@@ -237,7 +237,7 @@ class EngineCore:
                       arrival_time=request.arrival_time, max_model_len=self.max_model_len)
         req.stream_outputs = request.stream
         if params.structured_outputs is not None:
-            req.grammar = matcher_for(params, self.config.model.tokenizer or self.config.model.model,
+            req.grammar = matcher_for(params, self.config.model.tokenizer_dir,
                                       self.runner.head.vocab_size, req.eos_token_ids)
         if params.prompt_logprobs is not None:
             req.read_prefix_cache = False   # prompt logprobs need every prompt position computed

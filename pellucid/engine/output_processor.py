@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from pellucid.engine.features import get_feature
 from pellucid.engine.messages import EngineCoreOutput, LogprobEntry
 from pellucid.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass

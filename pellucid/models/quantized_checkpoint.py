@@ -25,12 +25,13 @@ scales is an error, never a silent cast of the raw codes.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Callable
 
 import torch
+
+from pellucid.models.config_file import read_config_json
 
 # safetensors dtype names a parameter may be copied from as stored.
 FLOAT_DTYPE_NAMES = ("F64", "F32", "F16", "BF16")
@@ -116,13 +117,7 @@ def dequantize_blockwise(quantized: torch.Tensor, scale: torch.Tensor, block: tu
 
 def read_quantization_config(model_dir: str) -> dict[str, Any] | None:
     """config.json's quantization_config (None for a full-precision checkpoint)."""
-    path = os.path.join(model_dir, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None     # the config reader reports a missing or broken config.json
-    quantization = config.get("quantization_config")
+    quantization = (read_config_json(model_dir) or {}).get("quantization_config")
     return quantization if isinstance(quantization, dict) else None
 
 

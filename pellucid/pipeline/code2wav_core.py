@@ -120,7 +120,7 @@ class Code2WavCore:
         mc = self.config.model
         c = self.hf_config
         return EngineInfo(
-            version=pellucid.__version__, model=mc.model, tokenizer=mc.tokenizer or mc.model,
+            version=pellucid.__version__, model=mc.model, tokenizer=mc.tokenizer_dir,
             model_name=mc.served_model_name or mc.model, architecture=type(self.model).__name__,
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), pid=os.getpid(),
             max_model_len=int(c.max_position_embeddings), vocab_size=int(c.codebook_size),

@@ -8,8 +8,6 @@ every rank, and a rank that cannot load its shard makes every rank raise a start
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,6 +16,7 @@ from torch import nn
 
 from pellucid.config import EngineConfig, resolve_dtype
 from pellucid.distributed.parallel_state import get_tensor_parallel
+from pellucid.models.config_file import read_config_json
 from pellucid.models.loader import load_model
 from pellucid.runner.model_runner import ModelRunner
 
@@ -82,10 +81,6 @@ def resolve_max_model_len(asked: int | None, hf_config: Any) -> int:
 
 def config_dtype(model_dir: str) -> torch.dtype | None:
     """The checkpoint's dtype as config.json names it, if it does."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-        name = cfg.get("dtype") or cfg.get("torch_dtype")
-    except (OSError, ValueError):
-        return None
+    cfg = read_config_json(model_dir) or {}
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
     return getattr(torch, name, None) if isinstance(name, str) else None

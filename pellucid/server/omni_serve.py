@@ -21,12 +21,12 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
 
 
 def is_pipeline_checkpoint(model_dir: str) -> bool:
+    from pellucid.models.config_file import read_config_json
     from pellucid.models.qwen3_omni.configs import ARCHITECTURE
-    from pellucid.models.loader import read_hf_config
-    try:
-        architectures = getattr(read_hf_config(model_dir), "architectures", None) or []
-    except (OSError, ValueError):
-        return False
+
+    # Read as plain JSON: through transformers, this check would cost a single model's server the seconds
+    # of transformers' import before its engine process starts (core_client.start_engine overlaps them).
+    architectures = (read_config_json(model_dir) or {}).get("architectures") or []
     return bool(architectures) and architectures[0] == ARCHITECTURE
 
 

@@ -1,0 +1,77 @@
+"""Start-up of a frontend with its engine in another process: the engine process starts first and the
+frontend loads its tokenizer (importing transformers, seconds on some machines) meanwhile; a start-up that
+fails or is cut short ends with a clear error and leaves no engine process behind."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pellucid.config import EngineConfig
+from pellucid.engine.core_client import EngineStartupError, make_client
+from pellucid.llm import LLM
+
+ENGINE_KWARGS = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=128)
+
+
+def engine_children() -> set[int]:
+    """Pids of this process's live engine-core children (read from /proc: Linux)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"pellucid.engine.core_proc" in cmdline:
+            found.add(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> str:
+    return tiny_model_factory("qwen3", seed=41)
+
+
+def test_a_frontend_imports_transformers_only_to_load_its_tokenizer(model_dir):
+    """Everything a server does before it starts its engine process (parse the command line, make the config,
+    check for a pipeline checkpoint, import the server) leaves transformers unimported, so that its import
+    overlaps the engine's start-up. Checked in a fresh interpreter."""
+    script = ("import sys\n"
+              "from pellucid.cli import build_parser\n"
+              "from pellucid.config import EngineConfig\n"
+              "from pellucid.server.omni_serve import is_pipeline_checkpoint\n"
+              "import pellucid.engine.async_llm, pellucid.llm, pellucid.server.app, pellucid.server.serve\n"
+              "build_parser()\n"
+              f"assert not is_pipeline_checkpoint({model_dir!r})\n"
+              f"EngineConfig.from_kwargs({model_dir!r}, device='cpu')\n"
+              "print('transformers imported:', 'transformers' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "transformers imported: False" in run.stdout, run.stdout
+
+
+def test_an_engine_process_still_starting_stops_at_once_when_shut_down(model_dir):
+    client = make_client(EngineConfig.from_kwargs(model_dir, engine_process=True, **ENGINE_KWARGS), asynchronous=True,
+                         wait=False)
+    assert client.pid in engine_children()
+    client.shutdown(timeout=30.0)
+    assert client.pid not in engine_children()
+    with pytest.raises(EngineStartupError, match="shut down before it was ready"):
+        client.wait_ready()
+
+
+def test_an_engine_that_cannot_start_is_reported_before_the_tokenizer(tmp_path):
+    """Both fail (no tokenizer, an unknown architecture): the engine's error is the one reported, as when
+    the two started one after the other, and its process is gone."""
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}')
+    before = engine_children()
+    with pytest.raises(EngineStartupError, match="NoSuchForCausalLM"):
+        LLM(str(tmp_path), engine_process=True, **ENGINE_KWARGS)
+    assert engine_children() == before
