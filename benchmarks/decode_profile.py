@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pellucid.bench.common import add_model_args, make_engine, print_table, random_prompts, weight_bytes_per_step
+from pellucid.bench.args import add_model_args
+from pellucid.bench.common import make_engine, print_table, random_prompts, weight_bytes_per_step
 from pellucid.bench.floors import measure_floors
 from pellucid.sampling_params import SamplingParams
 

@@ -20,7 +20,8 @@ import collections
 import torch
 from decode_profile import profile_decode_steps     # benchmarks/ is on sys.path when run as a script
 
-from pellucid.bench.common import add_model_args, print_table, weight_bytes_per_step
+from pellucid.bench.args import add_model_args
+from pellucid.bench.common import print_table, weight_bytes_per_step
 from pellucid.bench.floors import measure_floors
 from pellucid.bench.moe import decode_bytes, sparse_blocks
 

@@ -25,7 +25,8 @@ import time
 import torch
 
 from pellucid import PoolingParams, SamplingParams
-from pellucid.bench.common import add_model_args, make_engine, print_table, random_prompts
+from pellucid.bench.args import add_model_args
+from pellucid.bench.common import make_engine, print_table, random_prompts
 from pellucid.pooling.embedder import EMBED_SAMPLING, Embedder
 
 

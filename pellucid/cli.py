@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from typing import Any
 
 from pellucid.engine.arg_utils import add_engine_args, engine_kwargs_from_args
 
@@ -69,35 +71,51 @@ def print_logprobs(token_ids: list[int], logprobs: list) -> None:
         print(f"  {chosen.decoded_token!r:>16} logprob {chosen.logprob:8.3f} rank {chosen.rank:>5}   top: {others}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pellucid", description="Pellucid: LLM inference with open internals.")
-    sub = parser.add_subparsers(dest="command", required=True)
+# Each subcommand: its line in `pellucid --help` and the function that adds its parser. Only the subcommand being
+# run has its parser built, so a feature's parser module may import what its commands need, and `pellucid serve`
+# starts its engine process before the frontend imports anything heavy (torch included).
+SUBCOMMANDS = {
+    "generate": ("generate text for one or more prompts", "pellucid.cli:add_generate_parser"),
+    "serve": ("serve a model over an OpenAI-compatible HTTP API", "pellucid.server.serve:add_serve_parser"),
+    "bench": ("benchmarks: latency, throughput, serve, floors", "pellucid.bench:add_bench_parser"),
+    "extract": ("write hidden states of a data set for speculator training", "pellucid.extraction.cli:add_extract_parser"),
+    "flashhead": ("build or evaluate a FlashHead clustered LM head", "pellucid.heads.flashhead.cli:add_flashhead_parser"),
+    "eval": ("quality: perplexity, and agreement between engine configurations", "pellucid.eval.cli:add_eval_parser"),
+}
 
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+
+def subcommand_help(name: str) -> str:
+    return SUBCOMMANDS[name][0]
+
+
+def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    gen = subparsers.add_parser("generate", help=subcommand_help("generate"))
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
     gen.add_argument("--model", default=None, help="HuggingFace-format model directory (default: the embedded pellucid-debian-13m)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    return gen
 
-    for register in _subcommand_registrars():
-        register(sub)
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser, with `command`'s arguments (the others are listed by name and help only)."""
+    parser = argparse.ArgumentParser(prog="pellucid", description="Pellucid: LLM inference with open internals.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, adder) in SUBCOMMANDS.items():
+        if name == command:
+            module, function = adder.split(":")
+            getattr(importlib.import_module(module), function)(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
-def _subcommand_registrars():
-    """Each feature package contributes its own subcommands."""
-    from pellucid.bench import add_bench_parser
-    from pellucid.eval.cli import add_eval_parser
-    from pellucid.extraction.cli import add_extract_parser
-    from pellucid.heads.flashhead.cli import add_flashhead_parser
-    from pellucid.server.serve import add_serve_parser
-    return [add_serve_parser, add_bench_parser, add_extract_parser, add_flashhead_parser, add_eval_parser]
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    args = build_parser(command).parse_args(argv)
     return int(args.func(args) or 0)
 
 

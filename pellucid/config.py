@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+# torch is imported only where a value is resolved (in the engine), not to build a config: `pellucid serve`
+# builds its config and starts the engine process before it imports torch, so the two imports overlap.
+_DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: torch.dtype | None = None) -> torch.dtype:
     """`auto` means the checkpoint's dtype on GPU and float32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    import torch
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -22,10 +25,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: torch.dty
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def resolve_device(device: str) -> str:
+    import torch
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

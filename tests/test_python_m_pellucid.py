@@ -39,6 +39,19 @@ def test_help_and_usage_errors_are_the_clis(monkeypatch):
     assert info.value.code == 2
 
 
+def test_the_parser_of_a_light_subcommand_imports_no_torch():
+    """`pellucid --help` and the parsers of serve, bench, eval and generate need no torch (seconds to import on
+    some machines): only the subcommand being run has its parser built. Checked in a fresh interpreter."""
+    script = ("import sys\n"
+              "from pellucid.cli import build_parser\n"
+              "for command in (None, 'generate', 'serve', 'bench', 'eval'):\n"
+              "    build_parser(command).format_help()\n"
+              "print('imported:', sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "imported: []" in run.stdout, run.stdout
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_generate_prints_what_the_console_script_prints(qwen3_dir, capsys, seed):
     argv = ["generate", "The quick brown fox", "a second prompt", "--model", qwen3_dir, "--device", "cpu",

@@ -8,11 +8,10 @@ from typing import Any
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` and its subcommands on the CLI's subparsers (pellucid/cli.py)."""
-    from pellucid.bench.latency import add_latency_args
-    from pellucid.bench.serve import add_serve_bench_args
-    from pellucid.bench.throughput import add_throughput_args
+    from pellucid.bench.args import add_latency_args, add_serve_bench_args, add_throughput_args
+    from pellucid.cli import subcommand_help
 
-    parser = subparsers.add_parser("bench", help="benchmarks: latency, throughput, serve, floors")
+    parser = subparsers.add_parser("bench", help=subcommand_help("bench"))
     sub = parser.add_subparsers(dest="bench_command", required=True)
     latency = sub.add_parser("latency", help="prefill time and per-token decode time vs the weight-bytes floor")
     add_latency_args(latency)

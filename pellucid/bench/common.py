@@ -2,25 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from typing import Any
 
 import torch
 
-from pellucid.bench.models import NAMED_CONFIGS, resolve_model
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="Qwen3-0.6B",
-                        help=f"a named random-weight shape ({', '.join(NAMED_CONFIGS)}) or a model directory")
-    parser.add_argument("--model-cache", default=os.path.join(tempfile.gettempdir(), "pellucid-bench-models"),
-                        help="where named shapes are written (reused across runs)")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="launch the next step before this one is read back (default: on for CUDA)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    parser.add_argument("--seed", type=int, default=0)
+from pellucid.bench.models import resolve_model
 
 
 def make_engine(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,

@@ -13,18 +13,10 @@ import time
 
 import torch
 
-from pellucid.bench.common import (add_model_args, kv_bytes_per_token, make_engine, prefill_flops, print_table,
+from pellucid.bench.common import (kv_bytes_per_token, make_engine, prefill_flops, print_table,
                                    random_prompts, weight_bytes_per_step)
 from pellucid.bench.floors import measure_floors, print_floors
 from pellucid.bench.moe import decode_bytes, is_moe, measure_experts_touched, moe_prefill_flops
-
-
-def add_latency_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated decode batch sizes")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this many tokens")
 
 
 def _run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:

@@ -17,8 +17,6 @@ import json
 import os
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -114,6 +112,9 @@ def build_random_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
             json.dump({"seed": seed}, f)
         open(done, "w").close()
         return out_dir
+    import torch
+    from safetensors.torch import save_file
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     shards: dict[str, str] = {}

@@ -23,29 +23,10 @@ import tempfile
 import time
 import urllib.request
 
+from pellucid.bench.args import SERVER_VARIANTS
 from pellucid.bench.common import print_table
 from pellucid.bench.models import resolve_model
 from pellucid.bench.serve_load import LoadRequest, drive, make_requests, summarize
-
-VARIANTS = {"process": [], "thread": ["--no-engine-process"]}
-
-
-def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="Qwen3-0.6B", help="a named random-weight shape or a model directory")
-    parser.add_argument("--model-cache", default=os.path.join(tempfile.gettempdir(), "pellucid-bench-models"))
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--port", type=int, default=8321)
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--num-requests", type=int, default=1000, help="requests of the all-at-once load")
-    parser.add_argument("--input-len", type=int, nargs=2, default=[32, 1024], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 512], metavar=("MIN", "MAX"))
-    parser.add_argument("--rates", default="inf,10,20,40",
-                        help="comma-separated loads: inf (all at once) or requests per second (Poisson arrivals)")
-    parser.add_argument("--rate-requests", type=int, default=300, help="requests of each fixed-rate load")
-    parser.add_argument("--variants", default="process,thread", help=f"server variants: {', '.join(VARIANTS)}")
-    parser.add_argument("--no-offline", action="store_true", help="skip the offline engine's reference row")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--server-args", default="", help="extra `pellucid serve` flags, e.g. '--max-num-seqs 128'")
 
 
 def run_serve_bench(args: argparse.Namespace) -> None:
@@ -64,7 +45,7 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         rows.append(["LLM.generate", "all at once", str(len(requests)), f"{offline:,.0f}", "1.00x"] + ["-"] * 9)
         print_table(headers, rows)
     for variant in args.variants.split(","):
-        with _Server(model_dir, args, VARIANTS[variant]) as server:
+        with _Server(model_dir, args, SERVER_VARIANTS[variant]) as server:
             asyncio.run(drive(server.url, requests[:8], float("inf")))      # warm-up: compilation, graphs
             for rate in rates:
                 load = requests if rate == float("inf") else requests[:args.rate_requests]

@@ -19,21 +19,10 @@ import time
 
 import torch
 
-from pellucid.bench.common import (add_model_args, kv_bytes_per_token, make_engine, print_table, random_prompts,
+from pellucid.bench.common import (kv_bytes_per_token, make_engine, print_table, random_prompts,
                                    weight_bytes_per_step)
 from pellucid.bench.floors import measure_floors, print_floors
 from pellucid.bench.moe import decode_bytes, is_moe, measure_experts_touched
-
-
-def add_throughput_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--hf-requests", type=int, default=64, help="0 skips the transformers reference")
-    parser.add_argument("--hf-scale", type=float, default=0.25)
 
 
 def workload(num: int, lo: int, hi: int, seed: int) -> tuple[list[int], list[int]]:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import pellucid
 from pellucid.config import EngineConfig
 from pellucid.engine.core_client import EngineCoreClient, EngineDeadError, start_engine
+from pellucid.engine.core_launch import EngineLaunch
 from pellucid.engine.engine_core import EngineCore, EngineInfo
 from pellucid.engine.input_processor import InputProcessor, send
 from pellucid.engine.messages import EngineCoreOutputs, EngineStats
@@ -111,15 +112,17 @@ class AsyncLLM:
         self._start(EngineConfig.from_kwargs(model, **engine_kwargs))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
+    def from_config(cls, config: EngineConfig, launch: EngineLaunch | None = None) -> "AsyncLLM":
+        """`launch`: the engine process `core_launch.launch_ahead(config, asynchronous=True)` started before
+        this frontend imported the rest (`pellucid serve` does)."""
         llm = cls.__new__(cls)
-        llm._start(config)
+        llm._start(config, launch)
         return llm
 
-    def _start(self, config: EngineConfig) -> None:
+    def _start(self, config: EngineConfig, launch: EngineLaunch | None = None) -> None:
         self.config = config
         self._client: EngineCoreClient
-        self._client, self.tokenizer = start_engine(config, asynchronous=True)
+        self._client, self.tokenizer = start_engine(config, asynchronous=True, launch=launch)
         self.info: EngineInfo = self._client.info
         self.max_model_len: int = self.info.max_model_len
         self.model_name: str = self.info.model_name

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pellucid.config import EngineConfig
+from pellucid.engine.core_launch import EngineLaunch, has_engine_process
 from pellucid.engine.core_loop import EngineCoreLoop
 from pellucid.engine.engine_core import EngineCore, EngineInfo, build_core
 from pellucid.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineStats, FinishRequests, Shutdown,
@@ -123,11 +124,24 @@ class EngineCoreClient(ABC):
                            "start it with engine_process=False to reach its objects")
 
 
-def make_client(config: EngineConfig, asynchronous: bool, wait: bool = True) -> EngineCoreClient:
+def make_client(config: EngineConfig, asynchronous: bool, wait: bool = True,
+                launch: EngineLaunch | None = None) -> EngineCoreClient:
     """The client a frontend gets: `config.runner.engine_process` (None: a process for asyncio frontends,
     in-process for synchronous ones). With wait=False an engine process may still be starting: call
-    `wait_ready()` before anything else."""
-    in_process = config.runner.engine_process is False or (config.runner.engine_process is None and not asynchronous)
+    `wait_ready()` before anything else. `launch` is the engine process `core_launch.launch_ahead(config,
+    asynchronous)` started already; the client takes it over (or stops it, if the client cannot be made)."""
+    try:
+        return _make_client(config, asynchronous, wait, launch)
+    except BaseException:
+        if launch is not None and not launch.taken_over:
+            launch.abandon()
+        raise
+
+
+def _make_client(config: EngineConfig, asynchronous: bool, wait: bool, launch: EngineLaunch | None) -> EngineCoreClient:
+    in_process = not has_engine_process(config, asynchronous)
+    if launch is not None and (in_process or launch.config is not config):
+        raise ValueError("the engine process launched ahead was started for another configuration")
     if config.parallel.tensor_parallel_size > 1:
         config.parallel.validate()
         from pellucid.distributed.driver import executor_backend
@@ -138,20 +152,20 @@ def make_client(config: EngineConfig, asynchronous: bool, wait: bool = True) -> 
         if config.runner.engine_process is False:
             raise ValueError("with tensor_parallel_size > 1 the engine core runs in its own process (rank 0 of the "
                              "tensor-parallel group); engine_process=False is not supported")
-        in_process = False
     if not in_process:
         from pellucid.engine.core_proc import MPClient
-        client = MPClient(config)
+        client = MPClient(launch or EngineLaunch(config))
         if wait:
             client.wait_ready()
         return client
     return ThreadedClient(config) if asynchronous else InprocClient(config)
 
 
-def start_engine(config: EngineConfig, asynchronous: bool) -> tuple[EngineCoreClient, PreTrainedTokenizerBase]:
+def start_engine(config: EngineConfig, asynchronous: bool,
+                 launch: EngineLaunch | None = None) -> tuple[EngineCoreClient, PreTrainedTokenizerBase]:
     """A frontend's ready client and its tokenizer. The tokenizer loads (and transformers imports: seconds
-    on some machines) while an engine process starts."""
-    client = make_client(config, asynchronous, wait=False)
+    on some machines) while an engine process starts; `launch` as make_client's."""
+    client = make_client(config, asynchronous, wait=False, launch=launch)
     try:
         try:
             tokenizer = load_tokenizer(config.model.tokenizer_dir)

@@ -1,4 +1,4 @@
-"""The engine core in its own process, and the client that starts it and talks to it over ZMQ.
+"""The engine core in its own process, and the client that talks to it over ZMQ (core_launch.py starts it).
 
 The process is a fresh interpreter (`python -m pellucid.engine.core_proc`), not a fork or a
 multiprocessing spawn: it never re-imports the frontend's main module and starts the same way under a
@@ -18,40 +18,27 @@ import atexit
 import gc
 import pickle
 import queue
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import traceback
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch
 import zmq
 
-from pellucid.config import EngineConfig
 from pellucid.engine.core_client import BackgroundClient, EngineStartupError
+from pellucid.engine.core_launch import EngineLaunch, StartupSettings
 from pellucid.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInput, EngineStats, Shutdown
 from pellucid.engine.serial import MessageDecoder, MessageEncoder
 from pellucid.logger import get_logger
-from pellucid.child_process import describe_exit, exit_now, exit_when_parent_is_gone, start_child
+from pellucid.child_process import describe_exit, exit_now, exit_when_parent_is_gone
 
 logger = get_logger(__name__)
 
 _POLL_MS = 200
-
-
-@dataclass
-class StartupSettings:
-    config: EngineConfig
-    input_address: str         # frontend -> engine
-    output_address: str        # engine -> frontend
-    log_level: int
-    torch_threads: int         # the frontend's: CPU kernels then sum in the same order in both processes
 
 
 class _Startup(msgspec.Struct):
@@ -66,8 +53,8 @@ class _Startup(msgspec.Struct):
 def main() -> None:
     settings: StartupSettings = pickle.load(sys.stdin.buffer)
     get_logger().setLevel(settings.log_level)
-    import torch
-    torch.set_num_threads(settings.torch_threads)
+    if settings.torch_threads is not None:
+        torch.set_num_threads(settings.torch_threads)
     _exit_when_frontend_is_gone(sys.stdin.buffer)
     # Ctrl-C in a terminal reaches the whole process group: the frontend decides what happens then.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -177,24 +164,21 @@ def _exit_when_frontend_is_gone(pipe: Any) -> None:
 
 # ---- the frontend's side ----------------------------------------------------------------------------
 class MPClient(BackgroundClient):
-    """Starts the engine-core process and talks to it; any thread may send, one thread receives.
+    """Talks to an engine-core process that `launch` started; any thread may send, one thread receives.
 
-    The constructor starts the process and returns; `wait_ready()` waits for its start-up to finish, so
-    the frontend can do its own (load a tokenizer) meanwhile."""
+    The constructor returns at once, the process still starting; `wait_ready()` waits for its start-up to
+    finish, so the frontend can do its own (load a tokenizer) meanwhile."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, launch: EngineLaunch) -> None:
         super().__init__()
-        self._dir = tempfile.mkdtemp(prefix="pellucid-engine-")     # private (0700): the sockets live here
-        self._context = zmq.Context()
-        self._input = self._context.socket(zmq.PUSH)
-        self._input.bind(f"ipc://{self._dir}/input")
-        self._output = self._context.socket(zmq.PULL)
-        self._output.bind(f"ipc://{self._dir}/output")
+        launch.taken_over = True
+        self._launch = launch
+        self._proc = launch.proc
+        self._input = launch.input
+        self._output = launch.output
         self._encoder = MessageEncoder()
         self._send_lock = threading.Lock()
         self._receiver: threading.Thread | None = None      # started once the engine is ready
-        self._proc = _start_process(StartupSettings(config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output",
-                                                    get_logger().getEffectiveLevel(), torch.get_num_threads()))
         _LIVE_CLIENTS.add(self)
 
     @property
@@ -214,8 +198,8 @@ class MPClient(BackgroundClient):
             if not isinstance(exc, EngineStartupError):
                 self._proc.stdin.close()    # cut short (Ctrl-C): the end of its pipe stops it at once
             # (an engine that failed has said why and exits by itself)
-            self._stop_process(timeout=5.0)
-            self._close_sockets()
+            self._launch.stop(timeout=5.0)
+            self._launch.close()
             raise
         self._receiver = threading.Thread(target=self._receive_loop, name="pellucid-engine-client", daemon=True)
         self._receiver.start()
@@ -288,36 +272,11 @@ class MPClient(BackgroundClient):
                 self._send(Shutdown())
             except zmq.ZMQError:
                 pass
-        self._stop_process(timeout)
+        self._launch.stop(timeout)
         if self._receiver is not None:
             self._receiver.join(timeout=5.0)
         self._declare_dead("the engine was shut down")
-        self._close_sockets()
-
-    def _stop_process(self, timeout: float) -> None:
-        proc = self._proc
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.warning("the engine process did not stop within %.0f s; terminating it", timeout)
-            proc.terminate()
-            try:
-                proc.wait(10.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdin is not None:
-            proc.stdin.close()
-
-    def _close_sockets(self) -> None:
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _start_process(settings: StartupSettings) -> subprocess.Popen:
-    return start_child("pellucid.engine.core_proc", settings)
+        self._launch.close()
 
 
 def _exit_description(code: int) -> str:

@@ -117,7 +117,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("eval", help="quality: perplexity, and agreement between engine configurations")
+    from pellucid.cli import subcommand_help
+
+    parser = subparsers.add_parser("eval", help=subcommand_help("eval"))
     commands = parser.add_subparsers(dest="eval_command", required=True)
 
     ppl = commands.add_parser("ppl", help="perplexity of the model on a text file, through the engine",

@@ -23,9 +23,9 @@ def parse_layers(text: str) -> list[int]:
 
 
 def add_extract_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from pellucid.cli import add_sampling_args
+    from pellucid.cli import add_sampling_args, subcommand_help
 
-    parser = subparsers.add_parser("extract", help="write hidden states of a data set for speculator training",
+    parser = subparsers.add_parser("extract", help=subcommand_help("extract"),
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="HuggingFace-format model directory")
     g = parser.add_argument_group("extraction")

@@ -10,7 +10,9 @@ from typing import Any
 
 import uvicorn
 
+from pellucid.config import EngineConfig
 from pellucid.engine.arg_utils import add_engine_args, engine_kwargs_from_args
+from pellucid.engine.core_launch import launch_ahead
 from pellucid.logger import get_logger
 from pellucid.pooling.config import PoolerConfig
 from pellucid.server.reasoning import REASONING_PARSERS
@@ -20,7 +22,9 @@ logger = get_logger(__name__)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    from pellucid.cli import subcommand_help
+
+    parser = subparsers.add_parser("serve", help=subcommand_help("serve"))
     parser.add_argument("model", help="HuggingFace-format model directory, or 'default' for the embedded "
                                       "default model (pellucid-debian-13m)")
     g = parser.add_argument_group("server")
@@ -63,11 +67,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from pellucid.engine.async_llm import AsyncLLM
-    from pellucid.engine.core_client import EngineStartupError
-    from pellucid.engine.core_proc import freeze_startup_heap, thaw_startup_heap
-    from pellucid.server.app import build_app
-
     model = args.model
     if model == "default":
         from pellucid.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -89,8 +88,21 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("--pooler-config: %s", exc)
         return 2
     served_name = args.served_model_name or args.model
+    config = EngineConfig.from_kwargs(model, served_model_name=served_name, **engine_kwargs_from_args(args))
+    # The engine process starts loading the model now, while this process imports torch, transformers and the
+    # server (seconds each on some machines).
+    launch = launch_ahead(config, asynchronous=True)
     try:
-        llm = AsyncLLM(model, served_model_name=served_name, **engine_kwargs_from_args(args))
+        from pellucid.engine.async_llm import AsyncLLM
+        from pellucid.engine.core_client import EngineStartupError
+        from pellucid.engine.core_proc import freeze_startup_heap, thaw_startup_heap
+        from pellucid.server.app import build_app
+    except BaseException:
+        if launch is not None:
+            launch.abandon()
+        raise
+    try:
+        llm = AsyncLLM.from_config(config, launch)
     except EngineStartupError as exc:
         logger.error("%s", exc)
         return 1
@@ -100,9 +112,8 @@ def run_server(args: argparse.Namespace) -> int:
                         extract_dir=args.extract_dir, tool_call_parser=args.tool_call_parser,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
                         pooler_config=args.pooler_config)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_graceful_shutdown=args.graceful_shutdown_timeout)
-        server = _GracefulServer(config)
+        server = _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                                timeout_graceful_shutdown=args.graceful_shutdown_timeout))
         # An engine that dies has already failed its requests; the server stops taking new ones and exits
         # non-zero (a supervisor restarts it) instead of answering 503 forever.
         llm.on_engine_dead(server.engine_died)

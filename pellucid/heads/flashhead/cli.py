@@ -167,7 +167,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def add_flashhead_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("flashhead", help="build or evaluate a FlashHead clustered LM head")
+    from pellucid.cli import subcommand_help
+
+    parser = subparsers.add_parser("flashhead", help=subcommand_help("flashhead"))
     commands = parser.add_subparsers(dest="flashhead_command", required=True)
 
     build = commands.add_parser("build", help="cluster the model's head weights into a FlashHead asset")
