@@ -21,17 +21,36 @@ import zmq
 def start_child(module: str, settings: Any) -> subprocess.Popen:
     """`python -m module` with `settings` pickled to its stdin; it imports the same Pellucid as this process,
     wherever that was imported from."""
+    proc = spawn_child(module)
+    send_settings(proc, settings)
+    return proc
+
+
+def spawn_child(module: str) -> subprocess.Popen:
+    """`python -m module`, its settings not sent yet: it imports its modules meanwhile and then waits on its
+    stdin for `send_settings` (or exits, if the pipe closes first)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     # OpenMP threads that spin while they wait take the cores the child's own threads (sockets, output
     # encoding) and the parent's process need: on a 2-core machine a CPU engine streaming 128 requests
     # ran at 424 output tok/s spinning and 13,557 waiting passively (the same engine in one process:
     # 13,606). A GPU process runs few CPU kernels, so passive waiting costs it nothing.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env)
+    return subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env)
+
+
+def send_settings(proc: subprocess.Popen, settings: Any) -> None:
     assert proc.stdin is not None
     pickle.dump(settings, proc.stdin)
     proc.stdin.flush()
-    return proc
+
+
+def read_settings(pipe: Any) -> Any:
+    """In the child: the settings its parent sent, or None when the parent closed the pipe without sending
+    any (it gave the child up before its turn came)."""
+    try:
+        return pickle.load(pipe)
+    except EOFError:
+        return None
 
 
 _ABRUPT_EXIT_HOOKS: list[Callable[[], None]] = []

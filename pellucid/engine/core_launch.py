@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from pellucid.child_process import start_child
+from pellucid.child_process import send_settings, spawn_child
 from pellucid.config import EngineConfig
 from pellucid.logger import get_logger
 
@@ -42,10 +42,15 @@ def has_engine_process(config: EngineConfig, asynchronous: bool) -> bool:
 
 
 class EngineLaunch:
-    """An engine-core process started for `config`, and the two sockets it connects to, bound. It loads its
-    model at once; MPClient takes the launch over to talk to it, and until then `abandon()` stops it."""
+    """An engine-core process started for `config`, and the two sockets it connects to, bound. MPClient takes the
+    launch over to talk to it; until then `abandon()` stops it.
 
-    def __init__(self, config: EngineConfig) -> None:
+    A launch made with hold=True has its process import its modules (torch, the engine's) and then wait for its
+    settings, which `release()` sends (MPClient does, at the latest): a pipeline starts all its stages' processes
+    at once, so their imports overlap, and releases them one after another, so each stage sizes its KV cache
+    from the memory the stages before it left."""
+
+    def __init__(self, config: EngineConfig, hold: bool = False) -> None:
         self.config = config
         self.taken_over = False     # by a client, which stops and closes it from then on
         self.dir = tempfile.mkdtemp(prefix="pellucid-engine-")     # private (0700): the sockets live here
@@ -54,10 +59,20 @@ class EngineLaunch:
         self.input.bind(f"ipc://{self.dir}/input")
         self.output = self.context.socket(zmq.PULL)
         self.output.bind(f"ipc://{self.dir}/output")
+        self.proc = spawn_child("pellucid.engine.core_proc")
+        self._released = False
+        if not hold:
+            self.release()
+
+    def release(self) -> None:
+        """Send the process its settings: it builds its engine core from then on (idempotent)."""
+        if self._released:
+            return
+        self._released = True
         torch = sys.modules.get("torch")
-        settings = StartupSettings(config, f"ipc://{self.dir}/input", f"ipc://{self.dir}/output",
-                                   get_logger().getEffectiveLevel(), torch.get_num_threads() if torch else None)
-        self.proc = start_child("pellucid.engine.core_proc", settings)
+        send_settings(self.proc, StartupSettings(self.config, f"ipc://{self.dir}/input", f"ipc://{self.dir}/output",
+                                                 get_logger().getEffectiveLevel(),
+                                                 torch.get_num_threads() if torch else None))
 
     def stop(self, timeout: float) -> None:
         """Wait up to `timeout` for the process to exit (terminate it, then kill it, after that)."""
@@ -84,16 +99,16 @@ class EngineLaunch:
 
     def abandon(self) -> None:
         """Stop a launch no client took over: the process exits as soon as its stdin, this end of the pipe,
-        closes, whether it is still loading or waiting for a client."""
+        closes, whether it still waits for its settings, is loading, or waits for a client."""
         self.proc.stdin.close()
         self.stop(timeout=10.0)
         self.close()
 
 
-def launch_ahead(config: EngineConfig, asynchronous: bool) -> EngineLaunch | None:
-    """The engine process `make_client(config, asynchronous)` would start, started now, or None where the core
-    will run in this process (or where a launcher started this process as a tensor-parallel rank other than 0,
-    which serves rank 0's engine instead of starting one)."""
+def launch_ahead(config: EngineConfig, asynchronous: bool, hold: bool = False) -> EngineLaunch | None:
+    """The engine process `make_client(config, asynchronous)` would start, started now (held: see EngineLaunch),
+    or None where the core will run in this process (or where a launcher started this process as a
+    tensor-parallel rank other than 0, which serves rank 0's engine instead of starting one)."""
     if not has_engine_process(config, asynchronous) or os.environ.get("RANK", "0") != "0":
         return None
-    return EngineLaunch(config)
+    return EngineLaunch(config, hold=hold)

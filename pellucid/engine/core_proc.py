@@ -34,7 +34,7 @@ from pellucid.engine.core_launch import EngineLaunch, StartupSettings
 from pellucid.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInput, EngineStats, Shutdown
 from pellucid.engine.serial import MessageDecoder, MessageEncoder
 from pellucid.logger import get_logger
-from pellucid.child_process import describe_exit, exit_now, exit_when_parent_is_gone
+from pellucid.child_process import describe_exit, exit_now, exit_when_parent_is_gone, read_settings
 
 logger = get_logger(__name__)
 
@@ -51,7 +51,9 @@ class _Startup(msgspec.Struct):
 
 # ---- the engine process ---------------------------------------------------------------------------
 def main() -> None:
-    settings: StartupSettings = pickle.load(sys.stdin.buffer)
+    settings: StartupSettings | None = read_settings(sys.stdin.buffer)
+    if settings is None:
+        return      # the frontend gave this launch up before sending its settings (core_launch.EngineLaunch)
     get_logger().setLevel(settings.log_level)
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
@@ -172,6 +174,7 @@ class MPClient(BackgroundClient):
     def __init__(self, launch: EngineLaunch) -> None:
         super().__init__()
         launch.taken_over = True
+        launch.release()
         self._launch = launch
         self._proc = launch.proc
         self._input = launch.input

@@ -25,10 +25,12 @@ import torch
 
 from pellucid.config import EngineConfig
 from pellucid.engine.core_client import EngineCoreClient, make_client
+from pellucid.engine.core_launch import EngineLaunch, launch_ahead
 from pellucid.engine.input_processor import InputProcessor
 from pellucid.engine.messages import EngineCoreOutput, EngineCoreOutputs
 from pellucid.engine.output_processor import OutputProcessor
 from pellucid.logger import get_logger
+from pellucid.models.config_file import read_config_json
 from pellucid.models.loader import read_hf_config
 from pellucid.models.qwen3_omni.configs import ARCHITECTURE, OmniConfig
 from pellucid.outputs import RequestOutput
@@ -79,37 +81,42 @@ class _Request:
 class Pipeline:
     def __init__(self, model: str, graph: PipelineGraph | None = None, *, engine_process: bool = False,
                  asynchronous: bool = False, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
-        hf_config = read_hf_config(model)
-        architecture = (getattr(hf_config, "architectures", None) or [""])[0]
+        # config.json as JSON: its Hugging Face config (seconds to import on some machines) is read once the stages'
+        # engine processes are importing theirs.
+        fields = read_config_json(model)
+        if fields is None:
+            read_hf_config(model)       # raises, saying why config.json cannot be read
+        architecture = (fields.get("architectures") or [""])[0]
         if architecture != ARCHITECTURE:
             raise ValueError(f"{model}: pipelines serve {ARCHITECTURE} checkpoints, this one is {architecture!r}")
-        self.omni = OmniConfig(hf_config)
         self.graph = graph or qwen3_omni_graph()
         self.sample_rate = SAMPLE_RATE
         name = f"pellucid-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.connectors = {(e.src, e.dst): ConnectorSpec(e.connector, f"{name}-{e.src}") for e in self.graph.edges}
         if engine_process and any(spec.kind == "inproc" for spec in self.connectors.values()):
             raise ValueError("stages in their own processes need a connector between processes: connector='shm'")
-        self.requests_builder = Qwen3OmniRequests(self.omni, self.graph, self.connectors)
         self.clients: dict[str, EngineCoreClient] = {}
+        launches: dict[str, EngineLaunch | None] = {}
         try:
+            configs = {stage: self._stage_config(stage, model, tokenizer, engine_process, engine_kwargs)
+                       for stage in self.graph.order}
+            # Every stage's engine process starts now and imports its modules (seconds each), all at once; each
+            # builds its engine only when make_client releases it, once the stage before it is ready, so that
+            # stages sharing a GPU size their KV caches from the memory the earlier ones left.
+            launches = {stage: launch_ahead(config, asynchronous, hold=True) for stage, config in configs.items()}
+            self.omni = OmniConfig(read_hf_config(model))
+            self.requests_builder = Qwen3OmniRequests(self.omni, self.graph, self.connectors)
+            self.tokenizer = load_tokenizer(tokenizer or model)
             for stage_name in self.graph.order:
-                stage = self.graph.stage(stage_name)
-                common = dict(engine_kwargs)
-                if stage_name != self.graph.order[0]:
-                    # The LM head is the text stage's choice; later stages sample with their model's own.
-                    common.pop("head", None)
-                    common.pop("head_options", None)
-                args = {**common, **stage.engine_args, "engine_process": engine_process}
-                config = EngineConfig.from_kwargs(model, submodel=stage.submodel, tokenizer=tokenizer, **args)
-                config.core = stage.core
-                self.clients[stage_name] = make_client(config, asynchronous)
+                self.clients[stage_name] = make_client(configs[stage_name], asynchronous, launch=launches[stage_name])
         except BaseException:
+            for launch in launches.values():
+                if launch is not None and not launch.taken_over:
+                    launch.abandon()
             self.shutdown()
             raise
         self.first = self.graph.order[0]
         self.last = self.graph.order[-1]
-        self.tokenizer = load_tokenizer(tokenizer or model)
         info = self.clients[self.first].info
         self.input_processor = InputProcessor(self.tokenizer, info)
         self.output_processor = OutputProcessor(self.tokenizer, info.eos_token_ids)
@@ -121,6 +128,19 @@ class Pipeline:
         logger.info("pipeline ready: %s; edges: %s", " -> ".join(self.graph.order),
                     ", ".join(f"{e.src}->{e.dst} ({e.connector}, chunk {e.chunk_size or 'all'})"
                               for e in self.graph.edges))
+
+    def _stage_config(self, stage_name: str, model: str, tokenizer: str | None, engine_process: bool,
+                      engine_kwargs: dict[str, Any]) -> EngineConfig:
+        stage = self.graph.stage(stage_name)
+        common = dict(engine_kwargs)
+        if stage_name != self.graph.order[0]:
+            # The LM head is the text stage's choice; later stages sample with their model's own.
+            common.pop("head", None)
+            common.pop("head_options", None)
+        args = {**common, **stage.engine_args, "engine_process": engine_process}
+        config = EngineConfig.from_kwargs(model, submodel=stage.submodel, tokenizer=tokenizer, **args)
+        config.core = stage.core
+        return config
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pellucid.engine.core_client import EngineStartupError
 from pellucid.pipeline.connectors import ChunkKey, open_connector
 from pellucid.pipeline.graph import qwen3_omni_graph
 from pellucid.pipeline.omni import OmniLLM, OmniOutput
 from pellucid.pipeline.qwen3_omni import AudioRequest
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import apply_chat_template
+from tests.engine.test_engine_startup import engine_children
 from tests.pipeline.doubles import DroppingDelivery, LosingConnector, ShuffledDelivery, install
 
 TEXT = SamplingParams(temperature=0, max_tokens=14)
@@ -121,6 +123,28 @@ def test_stages_in_threads_keep_requests_independent(omni_dir, reference) -> Non
     assert aborted and done["r0"].error is None and 0 < len(done["r0"].audio) < len(reference["r0"].audio)
     assert done["r1"].error is not None and "chunk 2" in done["r1"].error, done["r1"].error
     assert_same(done["r2"], reference["r2"])
+
+
+def test_stages_in_engine_processes_equal_stage_after_stage(omni_dir, reference) -> None:
+    """Each stage's engine in a process of its own (the server's way): the processes start together and build
+    their engines one after another; the outputs are the one-process pipeline's."""
+    with make_omni(omni_dir, 2, first_chunk_size=1, engine_process=True) as omni:
+        outputs = run(omni)
+        for stage, stats in omni.stats().items():
+            assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0), stage
+        pids = [client.pid for client in omni.pipeline.clients.values()]
+    assert len(set(pids)) == 3 and not engine_children()
+    for rid, ref in reference.items():
+        assert_same(outputs[rid], ref)
+
+
+def test_a_stage_that_cannot_start_stops_every_stage_process(omni_dir) -> None:
+    """The talker's engine cannot start (a KV pool too small for one sequence): the error is its own, the
+    thinker, already running, is shut down, and the code2wav process, still waiting for its settings, exits."""
+    graph = qwen3_omni_graph(2).with_stage_args("talker", num_kv_blocks=1)
+    with pytest.raises(EngineStartupError, match="at least 2 blocks"):
+        OmniLLM(omni_dir, graph, engine_process=True, device="cpu", max_model_len=256, num_kv_blocks=64)
+    assert not engine_children()
 
 
 def test_stage_threads_and_engine_processes_exclude_each_other(omni_dir) -> None:
