@@ -554,8 +554,9 @@ def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 
 def _eos_token_ids(model_dir: str, tokenizer_dir: str, hf_config: Any) -> set[int]:
-    """The checkpoint's EOS ids (generation_config.json, else config.json) plus the tokenizer's eos token,
-    read from its config files: the engine core needs the ids, not a tokenizer."""
+    """The checkpoint's EOS ids (generation_config.json, else config.json) plus the tokenizer's eos token. The
+    engine core keeps only the ids, but finds the token's id by loading the tokenizer (transformers resolves the
+    eos token from several files and class defaults)."""
     ids = read_eos_token_ids(model_dir, hf_config)
     eos = _tokenizer_eos_id(tokenizer_dir)
     if eos is not None:
