@@ -141,7 +141,8 @@ def make_client(config: EngineConfig, asynchronous: bool, wait: bool = True,
 def _make_client(config: EngineConfig, asynchronous: bool, wait: bool, launch: EngineLaunch | None) -> EngineCoreClient:
     in_process = not has_engine_process(config, asynchronous)
     if launch is not None and (in_process or launch.config is not config):
-        raise ValueError("the engine process launched ahead was started for another configuration")
+        raise ValueError("the engine process launched ahead does not serve this client: it was started for another "
+                         "configuration, or this configuration's core runs in this process")
     if config.parallel.tensor_parallel_size > 1:
         config.parallel.validate()
         from pellucid.distributed.driver import executor_backend

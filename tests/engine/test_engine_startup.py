@@ -14,26 +14,9 @@ from pellucid.config import EngineConfig
 from pellucid.engine.core_client import EngineStartupError, make_client
 from pellucid.engine.core_launch import EngineLaunch, launch_ahead
 from pellucid.llm import LLM
+from tests.processes import engine_children
 
 ENGINE_KWARGS = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=128)
-
-
-def engine_children() -> set[int]:
-    """Pids of this process's live engine-core children (read from /proc: Linux)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"pellucid.engine.core_proc" in cmdline:
-            found.add(int(entry))
-    return found
 
 
 @pytest.fixture(scope="module")

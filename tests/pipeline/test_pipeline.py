@@ -13,8 +13,8 @@ from pellucid.pipeline.omni import OmniLLM, OmniOutput
 from pellucid.pipeline.qwen3_omni import AudioRequest
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import apply_chat_template
-from tests.engine.test_engine_startup import engine_children
 from tests.pipeline.doubles import DroppingDelivery, LosingConnector, ShuffledDelivery, install
+from tests.processes import engine_children
 
 TEXT = SamplingParams(temperature=0, max_tokens=14)
 # Greedy, with transformers' default repetition penalty; some requests end at the talker's EOS, others by length.
