@@ -133,7 +133,7 @@ def make_client(config: EngineConfig, asynchronous: bool, wait: bool = True,
     try:
         return _make_client(config, asynchronous, wait, launch)
     except BaseException:
-        if launch is not None and not launch.taken_over:
+        if launch is not None:
             launch.abandon()
         raise
 

@@ -99,7 +99,10 @@ class EngineLaunch:
 
     def abandon(self) -> None:
         """Stop a launch no client took over: the process exits as soon as its stdin, this end of the pipe,
-        closes, whether it still waits for its settings, is loading, or waits for a client."""
+        closes, whether it still waits for its settings, is loading, or waits for a client. A launch a client
+        took over is the client's to stop: then this does nothing."""
+        if self.taken_over:
+            return
         self.proc.stdin.close()
         self.stop(timeout=10.0)
         self.close()

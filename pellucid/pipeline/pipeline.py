@@ -111,7 +111,7 @@ class Pipeline:
                 self.clients[stage_name] = make_client(configs[stage_name], asynchronous, launch=launches[stage_name])
         except BaseException:
             for launch in launches.values():
-                if launch is not None and not launch.taken_over:
+                if launch is not None:
                     launch.abandon()
             self.shutdown()
             raise
