@@ -47,8 +47,8 @@ class EngineLaunch:
 
     A launch made with hold=True has its process import its modules (torch, the engine's) and then wait for its
     settings, which `release()` sends (MPClient does, at the latest): a pipeline starts all its stages' processes
-    at once, so their imports overlap, and releases them one after another, so each stage sizes its KV cache
-    from the memory the stages before it left."""
+    at once, so their imports overlap, and releases them one after another where a stage sizes its KV cache from
+    the GPU memory the stages before it left (all at once where none does)."""
 
     def __init__(self, config: EngineConfig, hold: bool = False) -> None:
         self.config = config

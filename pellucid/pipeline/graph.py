@@ -9,7 +9,7 @@ stages:
   - name: talker
     submodel: talker
     emits: [codes]
-    engine_args: {max_num_seqs: 64, gpu_memory_utilization: 0.2}
+    engine_args: {max_num_seqs: 64, gpu_memory_utilization: 0.7}     # cumulative: the thinker's 0.5 counts as used
   - name: code2wav
     submodel: code2wav
     emits: [audio]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pellucid.config import EngineConfig
+from pellucid.config import EngineConfig, resolve_device
 from pellucid.engine.core_client import EngineCoreClient, make_client
 from pellucid.engine.core_launch import EngineLaunch, launch_ahead
 from pellucid.engine.input_processor import InputProcessor
@@ -78,6 +78,13 @@ class _Request:
     notices: dict[ChunkKey, bool] = field(default_factory=dict)    # announced, not yet read by a consumer
 
 
+def sizes_kv_cache_from_free_memory(config: EngineConfig) -> bool:
+    """Whether an engine built from `config` sizes its KV cache from the GPU memory free when it starts (and so
+    depends on what engines started before it on that GPU took), rather than from a fixed block count or the
+    CPU's fixed budget."""
+    return config.cache.num_kv_blocks is None and resolve_device(config.runner.device).startswith("cuda")
+
+
 class Pipeline:
     def __init__(self, model: str, graph: PipelineGraph | None = None, *, engine_process: bool = False,
                  asynchronous: bool = False, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
@@ -100,10 +107,15 @@ class Pipeline:
         try:
             configs = {stage: self._stage_config(stage, model, tokenizer, engine_process, engine_kwargs)
                        for stage in self.graph.order}
-            # Every stage's engine process starts now and imports its modules (seconds each), all at once; each
-            # builds its engine only when make_client releases it, once the stage before it is ready, so that
-            # stages sharing a GPU size their KV caches from the memory the earlier ones left.
+            # Every stage's engine process starts now and imports its modules (seconds each), all at once. A stage
+            # that sizes its KV cache from free GPU memory builds its engine only once make_client releases it,
+            # after the stage before it is ready, so that it counts the memory the earlier ones took. Where no
+            # stage does (CPU, or a fixed num_kv_blocks), no stage depends on another, and all build at once.
             launches = {stage: launch_ahead(config, asynchronous, hold=True) for stage, config in configs.items()}
+            if not any(sizes_kv_cache_from_free_memory(config) for config in configs.values()):
+                for launch in launches.values():
+                    if launch is not None:
+                        launch.release()
             self.omni = OmniConfig(read_hf_config(model))
             self.requests_builder = Qwen3OmniRequests(self.omni, self.graph, self.connectors)
             self.tokenizer = load_tokenizer(tokenizer or model)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pellucid.engine.core_client import EngineStartupError
+import pellucid.pipeline.pipeline as pipeline_module
+from pellucid.config import EngineConfig
+from pellucid.engine.core_client import EngineStartupError, make_client
+from pellucid.engine.core_launch import EngineLaunch
 from pellucid.pipeline.connectors import ChunkKey, open_connector
 from pellucid.pipeline.graph import qwen3_omni_graph
 from pellucid.pipeline.omni import OmniLLM, OmniOutput
+from pellucid.pipeline.pipeline import sizes_kv_cache_from_free_memory
 from pellucid.pipeline.qwen3_omni import AudioRequest
 from pellucid.sampling_params import SamplingParams
 from pellucid.tokenizer import apply_chat_template
@@ -125,10 +129,31 @@ def test_stages_in_threads_keep_requests_independent(omni_dir, reference) -> Non
     assert_same(done["r2"], reference["r2"])
 
 
-def test_stages_in_engine_processes_equal_stage_after_stage(omni_dir, reference) -> None:
-    """Each stage's engine in a process of its own (the server's way): the processes start together and build
-    their engines one after another; the outputs are the one-process pipeline's."""
+def record_releases(monkeypatch) -> list[int]:
+    """How many stage processes had been sent their settings when each make_client call of the pipeline began."""
+    released: list[EngineLaunch] = []
+    seen: list[int] = []
+    release = EngineLaunch.release
+
+    def recording_release(launch: EngineLaunch) -> None:
+        if launch not in released:
+            released.append(launch)
+        release(launch)
+
+    def recording_make_client(*args, **kwargs):
+        seen.append(len(released))
+        return make_client(*args, **kwargs)
+    monkeypatch.setattr(EngineLaunch, "release", recording_release)
+    monkeypatch.setattr(pipeline_module, "make_client", recording_make_client)
+    return seen
+
+
+def test_stages_in_engine_processes_equal_stage_after_stage(omni_dir, reference, monkeypatch) -> None:
+    """Each stage's engine in a process of its own (the server's way): with fixed KV pools no stage waits for
+    another, so all three processes build their engines at once; the outputs are the one-process pipeline's."""
+    seen = record_releases(monkeypatch)
     with make_omni(omni_dir, 2, first_chunk_size=1, engine_process=True) as omni:
+        assert seen == [3, 3, 3]
         outputs = run(omni)
         for stage, stats in omni.stats().items():
             assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0), stage
@@ -138,13 +163,28 @@ def test_stages_in_engine_processes_equal_stage_after_stage(omni_dir, reference)
         assert_same(outputs[rid], ref)
 
 
-def test_a_stage_that_cannot_start_stops_every_stage_process(omni_dir) -> None:
-    """The talker's engine cannot start (a KV pool too small for one sequence): the error is its own, the
-    thinker, already running, is shut down, and the code2wav process, still waiting for its settings, exits."""
+@pytest.mark.parametrize("sized_from_free_memory", [False, True])
+def test_a_stage_that_cannot_start_stops_every_stage_process(omni_dir, monkeypatch, sized_from_free_memory: bool
+                                                             ) -> None:
+    """The talker's engine cannot start (a KV pool too small for one sequence): the error is its own, and every
+    other stage process exits: the thinker, already running, and code2wav, building (fixed KV pools: all stages
+    build at once) or still waiting for its settings (stages that size their KV caches from free GPU memory,
+    simulated here, build one after another)."""
+    monkeypatch.setattr(pipeline_module, "sizes_kv_cache_from_free_memory", lambda config: sized_from_free_memory)
+    seen = record_releases(monkeypatch)
     graph = qwen3_omni_graph(2).with_stage_args("talker", num_kv_blocks=1)
     with pytest.raises(EngineStartupError, match="at least 2 blocks"):
         OmniLLM(omni_dir, graph, engine_process=True, device="cpu", max_model_len=256, num_kv_blocks=64)
+    assert seen == ([0, 1] if sized_from_free_memory else [3, 3])
     assert not engine_children()
+
+
+def test_only_stages_on_a_gpu_without_a_fixed_kv_pool_wait_for_the_stages_before_them(monkeypatch) -> None:
+    assert not sizes_kv_cache_from_free_memory(EngineConfig.from_kwargs("m", device="cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert sizes_kv_cache_from_free_memory(EngineConfig.from_kwargs("m", device="cuda"))
+    assert sizes_kv_cache_from_free_memory(EngineConfig.from_kwargs("m", device="auto"))
+    assert not sizes_kv_cache_from_free_memory(EngineConfig.from_kwargs("m", device="cuda", num_kv_blocks=512))
 
 
 def test_stage_threads_and_engine_processes_exclude_each_other(omni_dir) -> None:
