@@ -3,7 +3,8 @@
 Weights are drawn straight into safetensors files (on the GPU when there is one, a layer at a time),
 never through a transformers model object, so an 8B checkpoint takes seconds rather than minutes.
 Shapes in DRAWN_AT_LOAD (Qwen3-30B-A3B: 61 GB of bf16 weights, Mixtral-8x7B: 93 GB, Llama-3.1-70B: 141 GB,
-more than the GPU machines' disks hold comfortably) get no weight files: the directory's
+more than the GPU machines' disks hold comfortably; the FP8 shapes, whose codes no writer here quantizes) get no
+weight files: the directory's
 pellucid_random_weights.json makes the loader draw them on the device (pellucid.models.loader); transformers
 cannot read such a directory.
 The tokenizer covers the model's whole vocabulary with one word per id (` t1234`), so every token a
@@ -56,12 +57,19 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
                          tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=32768,
                          rms_norm_eps=1e-5, hidden_act="silu", sliding_window=None),
 }
-# The same with its experts stored as the official Qwen3-30B-A3B-FP8 stores them (block-wise FP8, 128 x 128
-# blocks): they stay in FP8 (pellucid.models.fp8_experts); the rest is drawn in bf16, as that checkpoint's
-# dequantized weights load.
+# The same with its weights stored as the official Qwen3-30B-A3B-FP8 stores them (block-wise FP8, 128 x 128
+# blocks): the experts stay in FP8 (pellucid.models.fp8_experts), and the attention projections too with
+# PELLUCID_FP8_LINEAR=1 (fp8_linear; else they are drawn in bf16, as that checkpoint's dequantized weights load); the
+# routers, norms, embeddings and LM head are drawn in bf16, as that checkpoint keeps them.
 NAMED_CONFIGS["Qwen3-30B-A3B-FP8"] = dict(NAMED_CONFIGS["Qwen3-30B-A3B"], quantization_config=dict(
-    quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128]))
-DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B", "Qwen3-30B-A3B-FP8", "Mixtral-8x7B", "Llama-3.1-70B"})
+    quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128],
+    modules_to_not_convert=["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(48)]))
+# A dense model in block-wise FP8 (Qwen3-8B-FP8's format on Llama-3.1-8B's shape): its projections stay in FP8 with
+# PELLUCID_FP8_LINEAR=1 (pellucid.models.fp8_linear); drawn at load, since no writer here quantizes checkpoint files.
+NAMED_CONFIGS["Llama-3.1-8B-FP8"] = dict(NAMED_CONFIGS["Llama-3.1-8B"], quantization_config=dict(
+    quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128],
+    modules_to_not_convert=["lm_head"]))
+DRAWN_AT_LOAD = frozenset({"Qwen3-30B-A3B", "Qwen3-30B-A3B-FP8", "Mixtral-8x7B", "Llama-3.1-70B", "Llama-3.1-8B-FP8"})
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -25,7 +25,7 @@ def _triton_available() -> bool:
 
 KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary", "skinny_gemm", "skinny_silu_down",
            "rotary_kv_store", "skinny_qkv_rotary", "skinny_gate_up_silu", "argmax", "moe", "snake_beta",
-           "top_k_race", "attention_qk_norm_rotary", "add_rms_norm_top_k", "tp_all_reduce_add_rms_norm")
+           "top_k_race", "attention_qk_norm_rotary", "add_rms_norm_top_k", "tp_all_reduce_add_rms_norm", "fp8_linear")
 # Each measured on an H100 (2026-11-23), Qwen3-0.6B shape, bf16, GPU time of one CUDA-graph decode
 # forward at batch 1 / 64 / 256 (pellucid bench latency, "graph forward ms"): none fused 3.98 / 4.90 ms;
 # rms_norm alone 2.52 / 3.15; rotary alone 3.18 / 4.04; silu_and_mul alone 3.94 / 4.85; all three
@@ -52,6 +52,8 @@ KERNELS = ("rms_norm", "rotary", "silu_and_mul", "add_rms_norm", "qk_norm_rotary
 # it, which sums them (pellucid.models.layers.TopKRowsMlp): no top-k sum launch; BENCHMARKS.md, issue 19, round 8.
 # tp_all_reduce_add_rms_norm: under tensor parallelism with --all-reduce symm_mem, a row-parallel projection's
 # all-reduce, the residual add and the RMSNorm after it in one kernel (pellucid.distributed.fused_all_reduce).
+# fp8_linear: projections kept as float8 codes with block scales multiply them in Triton kernels that dequantize as
+# they read (pellucid.kernels.fp8_linear); without it they dequantize the whole weight at every call in torch.
 DEFAULT_KERNELS = KERNELS
 
 

@@ -62,8 +62,13 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, kernel: str, k: i
             and pick_config(x.shape[0], weight.shape[0], k, silu_mul) is not None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """nn.functional.linear; on CUDA a decode-sized x (few rows) runs the skinny GEMM instead of cuBLAS."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """nn.functional.linear; on CUDA a decode-sized x (few rows) runs the skinny GEMM instead of cuBLAS. With
+    `scale`, weight holds float8 codes with these block scales (pellucid.models.fp8_linear)."""
+    if scale is not None:
+        from pellucid.models.fp8_linear import fp8_linear
+        return fp8_linear(x, weight, scale, bias)
     if skinny_gemm_applies(x, weight, "skinny_gemm", x.shape[-1]) and (bias is None or bias.is_contiguous()):
         from pellucid.kernels.skinny_gemm import linear as skinny_linear
         return skinny_linear(x, weight, bias)
@@ -74,11 +79,40 @@ class Linear(nn.Linear):
     """nn.Linear whose forward goes through `linear` (skinny GEMM for decode batches on CUDA).
 
     Same parameters, names and hooks as nn.Linear: the module still runs, so its site sees the real
-    input and output.
+    input and output. A projection of a block-wise FP8 checkpoint may keep its weight as float8 codes with a
+    `weight_scale_inv` parameter of block scales (`keep_fp8`, pellucid.models.fp8_linear).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
+
+    @property
+    def weight_scale(self) -> torch.Tensor | None:
+        """The block scales of a weight kept in FP8 (None for a weight in the model's dtype)."""
+        return self._parameters.get("weight_scale_inv")
+
+    def fp8_fits(self, block: tuple[int, int]) -> bool:
+        """Whether [bn, bk] blocks tile this weight, and under tensor parallelism each rank's part of it."""
+        rows, cols = self.weight.shape
+        if rows % block[0] or cols % block[1]:
+            return False
+        spec = getattr(self, "tp_weights", {}).get("weight")
+        return spec is None or (len(spec) == 2 and _block_shard(spec, self.weight.shape, block) is not None)
+
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the weight as float8 e4m3 codes and float32 block scales `weight_scale_inv` [N / bn, K / bk] (on
+        the weight's device: the meta device, before the model is materialized and loaded)."""
+        if not self.fp8_fits(block):
+            raise ValueError(f"blocks of {list(block)} do not tile a weight of shape {tuple(self.weight.shape)}")
+        rows, cols = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty((rows // block[0], cols // block[1]), dtype=torch.float32,
+                                                         device=device), requires_grad=False)
+        spec = getattr(self, "tp_weights", {}).get("weight")
+        if spec is not None:
+            self.tp_weights = dict(self.tp_weights, weight_scale_inv=(spec[0], _block_shard(spec, (rows, cols), block)))
 
     # A kernel that computes this layer inside another (a fused SiLU + down projection) passes `local_bias`
     # and hands its result to `reduce`: a row-parallel layer (parallel_layers.RowParallelLinear) adds its
@@ -93,7 +127,23 @@ class Linear(nn.Linear):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the output, before `reduce` (the output itself without tensor parallelism).
         Skips the module call: only while nothing observes the module."""
-        return linear(x, self.weight, self.local_bias)
+        return linear(x, self.weight, self.local_bias, self.weight_scale)
+
+
+def _block_shard(spec: tuple[int, Any], shape: Sequence[int], block: tuple[int, int]) -> Any:
+    """A rank's part of a weight (tp_weights spec (dim, Shard of units)) counted in scale blocks along dim, or None
+    when the part does not start and end on blocks."""
+    from pellucid.models.fp8_experts import scale_shard
+    from pellucid.distributed.parallel_state import Shard
+
+    dim, shard = spec
+    unit = shape[dim] // shard.length
+    side = block[dim]
+    elements = Shard(tuple(start * unit for start in shard.starts), shard.length * unit, shard.total * unit,
+                     shard.rank)
+    if any(value % side for value in (*elements.starts, elements.length, elements.total)):
+        return None
+    return scale_shard(elements, side)
 
 
 class Embedding(nn.Embedding):
@@ -133,6 +183,7 @@ class MergedLinear:
         self.sizes = [linear.out_features for linear in linears]
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None     # block scales of FP8 codes (pellucid.models.fp8_linear)
         self._pointers: tuple[int, ...] = ()
         self.merge()
 
@@ -142,16 +193,25 @@ class MergedLinear:
             self.weight = _stacked([linear.weight for linear in self.linears])
             self.bias = _stacked([linear.bias for linear in self.linears]) if self.linears[0].bias is not None \
                 else None
-            offset = 0
+            scales = [getattr(linear, "weight_scale", None) for linear in self.linears]
+            if any(scale is not None for scale in scales) and any(scale is None for scale in scales):
+                raise ValueError("merged linears must all keep FP8 weights or none")
+            self.scale = _stacked(scales) if scales[0] is not None else None
+            offset = scale_offset = 0
             for linear, size in zip(self.linears, self.sizes):
                 linear.weight = nn.Parameter(self.weight[offset:offset + size], linear.weight.requires_grad)
                 if self.bias is not None:
                     linear.bias = nn.Parameter(self.bias[offset:offset + size], linear.bias.requires_grad)
+                if self.scale is not None:
+                    rows = linear.weight_scale_inv.shape[0]
+                    linear.weight_scale_inv = nn.Parameter(self.scale[scale_offset:scale_offset + rows], False)
+                    scale_offset += rows
                 offset += size
         self._pointers = self._current_pointers()
 
     def _current_pointers(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for linear in self.linears for p in (linear.weight, linear.bias) if p is not None)
+        return tuple(p.data_ptr() for linear in self.linears
+                     for p in (linear.weight, linear.bias, getattr(linear, "weight_scale", None)) if p is not None)
 
     def merged_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) of the merged storage, after checking the linears still view it."""
@@ -162,7 +222,7 @@ class MergedLinear:
 
     def merged_output(self, x: torch.Tensor) -> torch.Tensor:
         """One GEMM's [T, sum(out_features)] result: the linears' outputs side by side."""
-        return linear(x, *self.merged_parameters())
+        return linear(x, *self.merged_parameters(), self.scale)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The linears' outputs, as column views of one GEMM's [T, sum(out_features)] result."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,8 +18,11 @@ from torch import nn
 from pellucid.distributed.parallel_state import tensor_parallel_rank_and_size
 from pellucid.logger import get_logger
 from pellucid.models.fp8_experts import FP8_DTYPE, SCALE_SUFFIX, quantize
+from pellucid.models.fp8_linear import (checkpoint_fp8_block, fp8_linears_enabled, keep_fp8_linears,
+                                        quantized_weight_names)
 from pellucid.models.parallel_layers import checkpoint_slice
-from pellucid.models.quantized_checkpoint import check_fp8_codes, checkpoint_dequantizer, refuse_raw_codes
+from pellucid.models.quantized_checkpoint import (check_fp8_codes, checkpoint_dequantizer, read_quantization_config,
+                                                  refuse_raw_codes)
 from pellucid.models.registry import get_model_class
 
 logger = get_logger(__name__)
@@ -84,13 +87,17 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
                                   f"(tensor_parallel_size={tp_size}); serve it with tensor_parallel_size=1")
     # Build without allocating or initialising weights; every parameter is then filled from the checkpoint.
     model = model_class(hf_config, dtype=dtype, device="meta", max_model_len=max_model_len)
+    random_spec = os.path.join(model_dir, RANDOM_WEIGHTS_FILE)
+    drawn = os.path.isfile(random_spec)
+    if checkpoint_fp8_block(hf_config) is not None:      # PELLUCID_FP8_LINEAR=1 and a block-wise FP8 checkpoint
+        keep_fp8_linears(model, hf_config, None if drawn else quantized_weight_names(
+            [name for names in checkpoint_files(model_dir).values() for name in names], _param_namer(model, model_dir)))
     model = _materialize(model, device)
     model.tie_weights()  # materializing gives each module its own tensor, which unties shared weights
     for module in model.modules():
         if hasattr(module, "rebuild_buffers"):
             module.rebuild_buffers()
-    random_spec = os.path.join(model_dir, RANDOM_WEIGHTS_FILE)
-    if os.path.isfile(random_spec):
+    if drawn:
         _draw_random_weights(model, random_spec)
     else:
         _load_weights(model, model_dir)
@@ -102,6 +109,20 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device | str,
     logger.info("loaded %s%s from %s (%s, %s)", architectures[0], f" ({submodel})" if submodel else "", model_dir,
                 dtype, device)
     return model, getattr(model, "engine_hf_config", hf_config)
+
+
+def _param_namer(model: nn.Module, model_dir: str) -> Callable[[str], str]:
+    """checkpoint tensor name -> the name of the parameter it fills (or is part of), as _load_weights maps it."""
+    params = dict(model.named_parameters())
+    resolve = getattr(model, "checkpoint_target", None)
+    bare = _bare_backbone_prefix(model, model_dir, params) if getattr(model, "checkpoint_prefixes", None) is None else ""
+
+    def param_name(name: str) -> str:
+        if bare and name not in params:
+            name = bare + name
+        target = resolve(name) if resolve is not None else None
+        return target[0] if target is not None else name
+    return param_name
 
 
 def _load_weights(model: nn.Module, model_dir: str) -> None:
@@ -191,21 +212,31 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
 
 
 def _log_quantized(model: nn.Module, model_dir: str, dtype: torch.dtype) -> None:
-    fp8 = sum(p.numel() for p in model.parameters() if p.dtype == FP8_DTYPE)
     total = sum(p.numel() for name, p in model.named_parameters() if not name.endswith(SCALE_SUFFIX))
-    if fp8:
+    projections = sum(m.weight.numel() for m in model.modules() if getattr(m, "weight_scale", None) is not None)
+    experts = sum(p.numel() for p in model.parameters() if p.dtype == FP8_DTYPE) - projections
+    kept = []
+    if projections:
+        kept.append(f"its projections ({100.0 * projections / max(total, 1):.1f}% of the parameters, "
+                    f"pellucid/models/fp8_linear.py)")
+    if experts:
         w8a8 = any(getattr(module, "fp8_activations", False) for module in model.modules())
-        use = ("multiply FP8 activations (W8A8, PELLUCID_FP8_EXPERTS=w8a8)" if w8a8
-               else "dequantize as the expert kernels read them")
-        logger.warning("%s is a quantized checkpoint: its mixture of experts' weights (%.1f%% of the parameters) "
-                       "stay in FP8 and %s; every other 8-bit weight is dequantized to %s as it loads (activations "
-                       "and the KV cache stay in %s)", model_dir, 100.0 * fp8 / max(total, 1), use, dtype, dtype)
+        kept.append(f"its mixture of experts' weights ({100.0 * experts / max(total, 1):.1f}%, fp8_experts.py"
+                    f"{', multiplying FP8 activations: W8A8' if w8a8 else ''})")
+    hint = ""
+    if not projections and not fp8_linears_enabled() and (read_quantization_config(model_dir) or {}).get(
+            "quant_method") == "fp8":
+        hint = ("; PELLUCID_FP8_LINEAR=1 keeps its projections in FP8 too: half their memory, a dense model's "
+                "batch-1 decode faster, but batched decode slower (pellucid/models/fp8_linear.py)")
+    if kept:
+        logger.warning("%s is a quantized checkpoint: %s stay in FP8, dequantized as the kernels read them; every "
+                       "other 8-bit weight is dequantized to %s as it loads (activations and the KV cache stay in "
+                       "%s)%s", model_dir, " and ".join(kept), dtype, dtype, hint)
     else:
         logger.warning("%s is a quantized checkpoint: its 8-bit weights are dequantized to %s as they load, so it "
-                       "serves with the memory and speed of the full-precision model (FP8 is kept only for the "
-                       "experts of a block-wise FP8 mixture of experts, where its blocks allow: "
-                       "pellucid/models/fp8_experts.py; activations and the KV cache stay in %s too)", model_dir,
-                       dtype, dtype)
+                       "serves with the memory and speed of the full-precision model (FP8 is kept only for "
+                       "block-wise FP8 checkpoints, where its blocks allow: pellucid/models/fp8_linear.py and "
+                       "fp8_experts.py; activations and the KV cache stay in %s too)%s", model_dir, dtype, dtype, hint)
 
 
 def _bare_backbone_prefix(model: nn.Module, model_dir: str, params: dict[str, nn.Parameter]) -> str:

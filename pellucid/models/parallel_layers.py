@@ -86,7 +86,7 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(linear(x, self.weight, None))
+        return self.reduce(linear(x, self.weight, None, self.weight_scale))
 
 
 def fused_reduction_applies(residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:

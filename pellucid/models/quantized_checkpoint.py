@@ -17,9 +17,9 @@ Activation and KV-cache scales (`input_scale`, `k_scale`, ...) are for 8-bit com
 model and its KV cache run in the model's dtype.
 
 So a quantized checkpoint serves with the memory and speed of its full-precision original, with one
-exception: a block-wise FP8 mixture of experts keeps its experts' weights in FP8 (pellucid.models.fp8_experts),
-where they are most of the model, and its expert kernels dequantize them as they read them. The loader's
-warning says which. Every other format (AWQ, GPTQ, 4-bit packs, zero points,
+exception: a block-wise FP8 checkpoint (quant_method "fp8") keeps its quantized projections (pellucid.models.
+fp8_linear) and its mixture of experts' weights (pellucid.models.fp8_experts) in FP8 where their blocks allow, and
+the kernels dequantize them as they read them. The loader's warning says how much stays in FP8. Every other format (AWQ, GPTQ, 4-bit packs, zero points,
 sparsity, rotations, ...) is refused by name, and a weight stored in an 8-bit or integer type without its
 scales is an error, never a silent cast of the raw codes.
 """
@@ -187,15 +187,15 @@ def _compressed_tensors_block(quantization: dict[str, Any], where: str) -> tuple
 
 
 def check_fp8_codes(name: str, stored: Any, param: torch.Tensor) -> None:
-    """A tensor read as stored into a parameter kept in FP8 (pellucid.models.fp8_experts): float8 e4m3 codes into
+    """A tensor read as stored into a parameter kept in FP8 (fp8_experts.py, fp8_linear.py): float8 e4m3 codes into
     an FP8 weight, float scales into its scales. Anything else would be a wrong cast of the values."""
     dtype_name = getattr(stored, "dtype_name", None)
     expected = ("F8_E4M3",) if param.dtype == torch.float8_e4m3fn else FLOAT_DTYPE_NAMES
     if dtype_name is not None and dtype_name not in expected:
         what = "float8 e4m3 codes" if param.dtype == torch.float8_e4m3fn else "float block scales"
         raise ValueError(f"tensor {name!r} in {stored.path} is stored as {dtype_name}, but its parameter keeps the "
-                         f"checkpoint's {what} (a block-wise FP8 mixture of experts); set PELLUCID_FP8_EXPERTS=0 to "
-                         f"dequantize the experts at load instead")
+                         f"checkpoint's {what} (a block-wise FP8 checkpoint); set PELLUCID_FP8_EXPERTS=0 (experts) or "
+                         f"PELLUCID_FP8_LINEAR=0 (projections) to dequantize them at load instead")
 
 
 def refuse_raw_codes(name: str, stored: Any) -> None:

@@ -5,11 +5,10 @@ expert GEMMs sum in another order (pellucid.kernels.moe_gemm), so each engine's 
 to bfloat16's precision. The kernels alone are checked in tests/gpu/moe_checks.py ("fp8")."""
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
+from tests.gpu.engine_runs import assert_fp8_engine_matches_dequantized, release, teacher_forced_logprobs
 from tests.models.test_quantized_checkpoint import quantize_to_fp8
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,16 +25,9 @@ def _engine(model_dir: str, dtype: str, fp8: bool, monkeypatch):
     return llm
 
 
-def _release(llm) -> None:
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fp8_experts_engine_against_the_dequantized_engine(tmp_path, monkeypatch, dtype):
-    from pellucid.sampling_params import SamplingParams
     from pellucid.tiny_models import build_tiny_model
 
     # Blocks 128 columns wide: the expert kernels' K tiles are then those of the dequantized weights.
@@ -44,31 +36,8 @@ def test_fp8_experts_engine_against_the_dequantized_engine(tmp_path, monkeypatch
     model_dir = quantize_to_fp8(full, str(tmp_path / "fp8"), (32, 128), seed=1)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 70, 1)]
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True, logprobs=3)
-              for i in range(len(prompts))]
-    runs = {}
-    for fp8 in (True, False):
-        llm = _engine(model_dir, dtype, fp8, monkeypatch)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.runner.cuda_graphs.num_replays > 0
-        runs[fp8] = [(o.outputs[0].token_ids,
-                      [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]) for o in outputs]
-        _release(llm)
-    if dtype == "float32":
-        assert runs[True] == runs[False]
-        return
-    # bfloat16: both engines score the dequantized engine's sequences (prompt + its greedy tokens), teacher-forced.
-    sequences = [prompt + tokens for prompt, (tokens, _) in zip(prompts, runs[False])]
-    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    scores = {}
-    for fp8 in (True, False):
-        llm = _engine(model_dir, dtype, fp8, monkeypatch)
-        outputs = llm.generate(sequences, score, use_tqdm=False)
-        scores[fp8] = torch.tensor([pos[token].logprob for seq, o in zip(sequences, outputs)
-                                    for token, pos in zip(seq[1:], o.prompt_logprobs[1:])])
-        _release(llm)
-    difference = (scores[True] - scores[False]).abs()
-    assert difference.max() <= 0.08 and difference.mean() <= 0.01, (difference.max(), difference.mean())
+    assert_fp8_engine_matches_dequantized(lambda fp8: _engine(model_dir, dtype, fp8, monkeypatch), prompts, dtype,
+                                          float32_tolerance=0.0)
 
 
 @needs_cuda
@@ -98,14 +67,8 @@ def test_w8a8_experts_engine_against_the_cpu_engine(tmp_path, monkeypatch):
     assert cpu.engine.runner.model.model.layers[0].mlp.experts.fp8_activations
     greedy = cpu.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     sequences = [prompt + o.outputs[0].token_ids for prompt, o in zip(prompts, greedy)]
-    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 
-    def scores(llm) -> torch.Tensor:
-        outputs = llm.generate(sequences, score, use_tqdm=False)
-        return torch.tensor([pos[token].logprob for seq, o in zip(sequences, outputs)
-                             for token, pos in zip(seq[1:], o.prompt_logprobs[1:])])
-
-    want = scores(cpu)
+    want = teacher_forced_logprobs(cpu, sequences)
     del cpu
     got = {}
     for mode in ("w8a8", "1"):
@@ -113,12 +76,12 @@ def test_w8a8_experts_engine_against_the_cpu_engine(tmp_path, monkeypatch):
         llm = LLM(model_dir, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=512,
                   max_num_batched_tokens=96)
         assert llm.engine.runner.model.model.layers[0].mlp.experts.fp8_activations == (mode == "w8a8")
-        got[mode] = scores(llm)
+        got[mode] = teacher_forced_logprobs(llm, sequences)
         if mode == "w8a8":
             greedy_gpu = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                                       use_tqdm=False)
             assert llm.engine.runner.cuda_graphs.num_replays > 0
-        _release(llm)
+        release(llm)
     w8a8, w8a16 = (got["w8a8"] - want).abs(), (got["1"] - want).abs()
     assert w8a8.max() <= 0.05 and w8a8.mean() <= 5e-3, (w8a8.max(), w8a8.mean())
     assert w8a16.mean() > 3 * w8a8.mean(), (w8a16.mean(), w8a8.mean())

@@ -158,3 +158,17 @@ def write_fused_expert_layout(src: str, dst: str, layers: list[int] | None = Non
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([per_expert[e][gate], per_expert[e][up]]) for e in order])
         out[f"{prefix}.down_proj"] = torch.stack([per_expert[e][down] for e in order])
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+
+
+def assert_tp2_generates_tp1_tokens(model_dir: str) -> None:
+    """Greedy tokens of a two-rank tensor-parallel CPU engine equal those of a one-rank engine."""
+    from pellucid import LLM, SamplingParams
+    engine = dict(dtype="float32", device="cpu", max_model_len=96, num_kv_blocks=24)
+    prompts = [{"prompt_token_ids": p} for p in random_token_prompts(4, [12, 30])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, **engine).generate(prompts, params, use_tqdm=False)]
+    tp2 = LLM(model_dir, tensor_parallel_size=2, **engine)
+    try:
+        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        tp2.shutdown()

@@ -16,7 +16,7 @@ from pellucid import LLM, SamplingParams
 from pellucid.models.fp8_experts import FP8_DTYPE, FP8_MAX, dequantize
 from pellucid.models.loader import RANDOM_WEIGHTS_FILE, load_model
 from pellucid.tiny_models import build_tiny_model
-from tests.models.helpers import PagedModelRunner, random_token_prompts
+from tests.models.helpers import PagedModelRunner, assert_tp2_generates_tp1_tokens, random_token_prompts
 from tests.models.test_quantized_checkpoint import _edit_config, quantize_to_fp8
 
 # (arch, config overrides, block): every block divides the experts' hidden and intermediate sizes.
@@ -113,6 +113,7 @@ def test_experts_dequantize_where_they_cannot_stay_in_fp8(tmp_path, monkeypatch,
         quantization = json.load(f)["quantization_config"]
     _edit_config(fp8, quantization_config=dict(quantization, modules_to_not_convert=["lm_head", "mlp.experts"]))
     caplog.set_level("WARNING", logger="pellucid")
+    caplog.clear()
     model = load_model(fp8, torch.float32, "cpu")[0]
     assert _experts_dtypes(model) == {torch.float32}
     assert "dequantized to torch.float32 as they load" in caplog.text
@@ -183,15 +184,7 @@ def test_tensor_parallel_ranks_hold_their_fp8_expert_shards(tmp_path, monkeypatc
             rows = slice(16 * rank, 16 * rank + 16)
             assert torch.equal(gate_up, torch.cat([full_gate_up[:32][rows], full_gate_up[32:][rows]]))
             assert torch.equal(down, full_down[:, rows])
-    engine = dict(dtype="float32", device="cpu", max_model_len=96, num_kv_blocks=24)
-    prompts = [{"prompt_token_ids": p} for p in random_token_prompts(4, [12, 30])]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(model_dir, **engine).generate(prompts, params, use_tqdm=False)]
-    tp2 = LLM(model_dir, tensor_parallel_size=2, **engine)
-    try:
-        assert [o.outputs[0].token_ids for o in tp2.generate(prompts, params, use_tqdm=False)] == expected
-    finally:
-        tp2.shutdown()
+    assert_tp2_generates_tp1_tokens(model_dir)
 
 
 def test_tiles_keep_the_block_rows_of_the_routing_layout() -> None:

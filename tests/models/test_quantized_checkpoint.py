@@ -167,7 +167,7 @@ def test_other_quantization_methods_are_refused_by_name(tmp_path) -> None:
             load_model(model_dir, torch.float32, "cpu")
 
 
-def test_broken_fp8_checkpoints_are_clear_errors(tmp_path) -> None:
+def test_broken_fp8_checkpoints_are_clear_errors(tmp_path, monkeypatch) -> None:
     model_dir = quantize_to_fp8(build_tiny_model("qwen3", str(tmp_path / "full")), str(tmp_path / "fp8"), (16, 16))
     path = os.path.join(model_dir, "model.safetensors")
     tensors = load_file(path)
@@ -177,6 +177,10 @@ def test_broken_fp8_checkpoints_are_clear_errors(tmp_path) -> None:
     save_file({**tensors, name + "_scale_inv": tensors[name + "_scale_inv"][:3].contiguous()}, path)
     with pytest.raises(ValueError, match=r"o_proj.weight.*grid of its scales, of shape \(3, 4\); blocks of "
                                          r"\[16, 16\] need 4 x 4"):
+        load_model(model_dir, torch.float32, "cpu")      # dequantized at load
+    with monkeypatch.context() as patch, pytest.raises(
+            ValueError, match=r"o_proj.weight_scale_inv.*has shape \(3, 4\), the model expects \(4, 4\)"):
+        patch.setenv("PELLUCID_FP8_LINEAR", "1")       # the projection keeps its codes and scales
         load_model(model_dir, torch.float32, "cpu")
     # A float8 weight without its scales is not cast as if the codes were the weights.
     save_file({k: v for k, v in tensors.items() if k != name + "_scale_inv"}, path)
