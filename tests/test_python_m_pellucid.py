@@ -40,11 +40,12 @@ def test_help_and_usage_errors_are_the_clis(monkeypatch):
 
 
 def test_the_parser_of_a_light_subcommand_imports_no_torch():
-    """`pellucid --help` and the parsers of serve, bench, eval and generate need no torch (seconds to import on
-    some machines): only the subcommand being run has its parser built. Checked in a fresh interpreter."""
+    """`pellucid --help` and the parsers of every subcommand need no torch (seconds to import on some machines): only
+    the subcommand being run has its parser built, and its handler imports what it runs. Checked in a fresh
+    interpreter."""
     script = ("import sys\n"
               "from pellucid.cli import build_parser\n"
-              "for command in (None, 'generate', 'serve', 'bench', 'eval'):\n"
+              "for command in (None, 'generate', 'serve', 'bench', 'eval', 'extract', 'flashhead'):\n"
               "    build_parser(command).format_help()\n"
               "print('imported:', sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)

@@ -2,11 +2,24 @@
 
 `llm.extract_hidden_states(data, layers=[...], output_dir=...)` writes safetensors files plus a
 manifest; `HiddenStatesDataset(output_dir)` loads them for training.
-"""
-from pellucid.extraction.job import ExtractionSummary, extract_hidden_states, extract_hidden_states_async
-from pellucid.extraction.reader import HiddenStatesDataset, collate_padded, load_sample, read_job_info
-from pellucid.extraction.spec import ExtractionSpec
-from pellucid.extraction.writer import ExtractionError, read_manifest
 
-__all__ = ["extract_hidden_states", "extract_hidden_states_async", "ExtractionSummary", "ExtractionError",
-           "ExtractionSpec", "HiddenStatesDataset", "collate_padded", "load_sample", "read_job_info", "read_manifest"]
+The names below load with their modules on first use, so `pellucid extract --help` (whose parser lives in
+pellucid.extraction.cli) does not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_MODULE_OF = {
+    "extract_hidden_states": "job", "extract_hidden_states_async": "job", "ExtractionSummary": "job",
+    "HiddenStatesDataset": "reader", "collate_padded": "reader", "load_sample": "reader", "read_job_info": "reader",
+    "ExtractionSpec": "spec", "ExtractionError": "writer", "read_manifest": "writer",
+}
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

@@ -26,7 +26,9 @@ def register_head(name: str, cls: type[LMHead]) -> None:
 
 
 def _load_builtin_and_plugins() -> None:
-    import pellucid.heads.flashhead  # noqa: F401  (the built-in FlashHead registers itself)
+    if "flashhead" not in _HEADS:
+        from pellucid.heads.flashhead.head import FlashHead
+        register_head("flashhead", FlashHead)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _HEADS:
             register_head(ep.name, ep.load())

@@ -1,7 +1,17 @@
-"""FlashHead: a clustered, retrieval-style LM head, registered as head "flashhead"."""
-from pellucid.heads.flashhead.head import FlashHead
-from pellucid.heads.registry import register_head
+"""FlashHead: a clustered, retrieval-style LM head, the built-in head "flashhead" (pellucid.heads.registry).
 
-register_head("flashhead", FlashHead)
+`FlashHead` loads with its module on first use, so `pellucid flashhead --help` (whose parser lives in
+pellucid.heads.flashhead.cli) does not import torch.
+"""
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["FlashHead"]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "FlashHead":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from pellucid.heads.flashhead.head import FlashHead
+    return FlashHead

@@ -1,5 +1,6 @@
 """`pellucid flashhead build | eval`. `add_flashhead_parser(subparsers)` only needs an argparse subparsers
-object; every subcommand sets `func(args) -> int` as its handler."""
+object; every subcommand sets `func(args) -> int` as its handler. torch is imported by the handlers, not with
+this module, so `--help` answers at once."""
 from __future__ import annotations
 
 import argparse
@@ -8,12 +9,12 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from pellucid.heads.flashhead.crossover import capture_cuda_graph
 from pellucid.logger import get_logger
+
+if TYPE_CHECKING:
+    import torch
 
 logger = get_logger(__name__)
 
@@ -44,6 +45,10 @@ def measure_latency_us(fn: Callable[[], object], device: torch.device, repeats: 
                        warmup: int = 20, cuda_graph: bool = False) -> float:
     """Median microseconds per call: CUDA events on a GPU (optionally replaying a captured graph, which is
     how the engine runs decode steps), wall clock on the CPU."""
+    import torch
+
+    from pellucid.heads.flashhead.crossover import capture_cuda_graph
+
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -71,6 +76,8 @@ def measure_latency_us(fn: Callable[[], object], device: torch.device, repeats: 
 
 
 def _device(name: str) -> torch.device:
+    import torch
+
     from pellucid.config import resolve_device
 
     return torch.device(resolve_device(name))
@@ -111,6 +118,7 @@ def _prompt_hidden_states(model_dir: str, prompts: list[str], device: torch.devi
                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Final (post-norm) hidden states of every prompt position, from transformers' own implementation,
     and the model's head weight."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -125,6 +133,8 @@ def _prompt_hidden_states(model_dir: str, prompts: list[str], device: torch.devi
 
 @reports_errors
 def run_eval(args: argparse.Namespace) -> int:
+    import torch
+
     from pellucid.config import resolve_dtype
     from pellucid.heads.flashhead.head import FlashHead
 
