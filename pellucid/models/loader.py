@@ -159,7 +159,7 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
             param = params.get(param_name)
             if dequantizer is not None:
                 if param is not None and (param.dtype == FP8_DTYPE or param_name.endswith(SCALE_SUFFIX)):
-                    check_fp8_codes(name, stored, param)    # a weight kept in FP8 (fp8_experts.py), or its scales
+                    check_fp8_codes(name, stored, param)    # a weight kept in FP8 (fp8_experts.py, fp8_linear.py), or its scales
                 elif dequantizer.skips(name):
                     continue
                 else:
