@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -31,7 +31,7 @@ from pellucid.sampling_params import SamplingParams
 from pellucid.server.classify import ServerClassifications
 from pellucid.server.embeddings import ServerEmbeddings
 from pellucid.server.scores import ServerScores
-from pellucid.server.disconnect import ClientDisconnected, until_disconnect
+from pellucid.server.disconnect import ClientDisconnected, EventStream, until_disconnect
 from pellucid.server.metrics import RequestTimer, ServerMetrics, log_stats_periodically
 from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice,
@@ -41,6 +41,7 @@ from pellucid.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       chat_template_messages, new_id, parse_request, sampling_field_of)
 from pellucid.server.responses import (ChoiceTracker, Delta, chat_logprobs, completion_logprobs, echo_logprobs,
                                        prompt_logprobs)
+from pellucid.server.responses_route import ServerResponses
 from pellucid.server.chat_answer import ChatAnswerStream, final_answer
 from pellucid.server.reasoning import REASONING_PARSERS
 from pellucid.server.tool_calls import TOOL_CALL_PARSERS, ToolPlan, plan_tools, template_messages, with_tools
@@ -69,18 +70,6 @@ def _internal_error(message: str) -> ProtocolError:
     return ProtocolError(message, status=500, error_type="internal_server_error")
 
 
-class EventStream(StreamingResponse):
-    """SSE response that always closes its body generator, so a broken connection aborts the request."""
-
-    media_type = "text/event-stream"
-
-    async def stream_response(self, send: Any) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
 def _observe(timer: RequestTimer, tracker: ChoiceTracker, output: RequestOutput) -> None:
     """Latency metrics for an output the response just took in (after tracker.update)."""
     timer.observe(tracker.num_generated)
@@ -99,7 +88,8 @@ class OpenAIServer:
 
     def __init__(self, llm: AsyncLLM, served_model_name: str, extract_dir: str | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None, pooler_config: dict[str, Any] | str | None = None) -> None:
+                 reasoning_parser: str | None = None, pooler_config: dict[str, Any] | str | None = None,
+                 responses_store_size: int = 0) -> None:
         self.llm = llm
         # chat answers' <think> part goes to the message's `reasoning` (pellucid/server/reasoning.py)
         self.reasoning_parser = REASONING_PARSERS.get(reasoning_parser)() if reasoning_parser else None
@@ -115,6 +105,7 @@ class OpenAIServer:
         self.embeddings = ServerEmbeddings(self, pooler_config)  # /v1/embeddings
         self.classifications = ServerClassifications(self)       # /classify
         self.scores = ServerScores(self)                         # /v1/score, /v1/rerank
+        self.responses = ServerResponses(self, responses_store_size)  # /v1/responses
         self.ignored_fields: set[str] = set()    # request fields this server does not know, warned about once each
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -517,15 +508,17 @@ def _guarded(server: OpenAIServer, handler: Callable[[Request], Awaitable[Respon
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               log_stats_interval: float | None = None, extract_dir: str | None = None,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None, pooler_config: dict[str, Any] | str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, pooler_config: dict[str, Any] | str | None = None,
+              responses_store_size: int = 0) -> FastAPI:
     """The app; `log_stats_interval` > 0 logs a stats line that often while the app runs; `extract_dir` is
     where `extract_hidden_states` with output "server" writes (None: inline only); `tool_call_parser` names
     the parser of tool_choice "auto", which `enable_auto_tool_choice` allows; `reasoning_parser` splits a
     thinking model's reasoning from its answer; `pooler_config` (vLLM's --pooler-config) overrides how
-    /v1/embeddings pools (pellucid/pooling/config.py)."""
+    /v1/embeddings pools (pellucid/pooling/config.py); `responses_store_size` how many /v1/responses results
+    the server keeps for retrieval and `previous_response_id` (0: none)."""
     PoolerConfig().overridden(pooler_config)       # a bad override fails at start-up
     server = OpenAIServer(async_llm, served_model_name, extract_dir, tool_call_parser, enable_auto_tool_choice,
-                          reasoning_parser, pooler_config)
+                          reasoning_parser, pooler_config, responses_store_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -546,6 +539,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     protected = protected_router(app, api_key)
     protected.add_api_route("/v1/completions", _guarded(server, server.completions), methods=["POST"])
     protected.add_api_route("/v1/chat/completions", _guarded(server, server.chat_completions), methods=["POST"])
+    protected.add_api_route("/v1/responses", _guarded(server, server.responses.create), methods=["POST"])
+    protected.add_api_route("/v1/responses/{response_id}", _guarded(server, server.responses.retrieve),
+                            methods=["GET"])
+    protected.add_api_route("/v1/responses/{response_id}", _guarded(server, server.responses.delete),
+                            methods=["DELETE"])
     protected.add_api_route("/v1/embeddings", _guarded(server, server.embeddings.create), methods=["POST"])
     protected.add_api_route("/classify", _guarded(server, server.classifications.create), methods=["POST"])
     for path in ("/score", "/v1/score"):          # vLLM's paths

@@ -1,4 +1,5 @@
-"""A client that leaves mid-request: its work is cancelled, which aborts its requests in the engine."""
+"""A client that leaves mid-request: its work is cancelled, which aborts its requests in the engine (a streamed
+response's generator is closed when its connection breaks: EventStream)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 
 class ClientDisconnected(Exception):
@@ -39,3 +41,15 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     raise ClientDisconnected()
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always closes its body generator, so a broken connection aborts the request."""
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -26,10 +26,10 @@ from pellucid.logger import get_logger
 from pellucid.pipeline.async_omni import AsyncOmni
 from pellucid.pipeline.pipeline import OmniRequestOutput
 from pellucid.pipeline.qwen3_omni import AudioRequest
-from pellucid.server.app import (EventStream, add_service_routes, error_response, sse_event,
+from pellucid.server.app import (add_service_routes, error_response, sse_event,
                                  error_response_body, protected_router)
 from pellucid.server.audio import FORMATS, pcm16, wav, wav_header
-from pellucid.server.disconnect import ClientDisconnected, until_disconnect
+from pellucid.server.disconnect import ClientDisconnected, EventStream, until_disconnect
 from pellucid.server.protocol import (ChatCompletionRequest, ModelCard, ModelList, ProtocolError, UsageInfo,
                                       chat_template_messages, new_id, parse_request, sampling_field_of)
 from pellucid.tokenizer import apply_chat_template

@@ -57,6 +57,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="how /v1/embeddings pools the final hidden states, over what the model directory's "
                         "sentence-transformers files say (default without them: the last token, normalised): "
                         "'{\"pooling_type\": \"last\" | \"mean\" | \"cls\", \"normalize\": true | false}'")
+    g.add_argument("--responses-store-size", type=int, default=0, metavar="N",
+                   help="keep the last N /v1/responses results in memory, for GET /v1/responses/{id} and "
+                        "previous_response_id (default 0: none are kept, and such requests are refused)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
@@ -81,6 +84,9 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         logger.error("--enable-auto-tool-choice needs --tool-call-parser (%s)", ", ".join(TOOL_CALL_PARSERS.names()))
+        return 2
+    if args.responses_store_size < 0:
+        logger.error("--responses-store-size must be >= 0, got %d", args.responses_store_size)
         return 2
     try:
         PoolerConfig().overridden(args.pooler_config)
@@ -111,7 +117,7 @@ def run_server(args: argparse.Namespace) -> int:
         app = build_app(llm, served_name, api_key=args.api_key, log_stats_interval=args.log_stats_interval,
                         extract_dir=args.extract_dir, tool_call_parser=args.tool_call_parser,
                         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
-                        pooler_config=args.pooler_config)
+                        pooler_config=args.pooler_config, responses_store_size=args.responses_store_size)
         server = _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                                 timeout_graceful_shutdown=args.graceful_shutdown_timeout))
         # An engine that dies has already failed its requests; the server stops taking new ones and exits

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, start_server, wait_until
+from server_harness import MODEL_NAME, pellucid_log_records, start_server, wait_until
 from tests.step_faults import failing_step
 
 CHAT = [{"role": "user", "content": "hello"}]
@@ -89,19 +89,12 @@ def test_unknown_fields_are_ignored_with_a_warning_once(server):
     """As OpenAI's and vLLM's servers do, an unknown field does not fail the request; the server log names it,
     once per field."""
     import logging
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("pellucid")
-    logger.addHandler(handler)
-    try:
+    with pellucid_log_records() as records:
         for _ in range(2):
             response = httpx.post(f"{server.base_url}/completions", timeout=60,
                                   json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1},
                                         "temperature": 0})
             assert response.status_code == 200, response.text
-    finally:
-        logger.removeHandler(handler)
     warned = [r for r in records if "frobnicate" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING, [r.getMessage() for r in warned]
     assert "temperature" not in warned[0].getMessage()

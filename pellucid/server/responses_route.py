@@ -1,0 +1,218 @@
+"""`/v1/responses`: OpenAI's Responses API over the chat path (create, streamed or not; retrieve and delete
+stored responses).
+
+A response runs as the chat completion its request translates to (responses_request.py) and reports the answer
+as output items (responses_output.py). With --responses-store-size N the server keeps its last N responses in
+memory, so a client may fetch one again or continue its conversation with `previous_response_id` (the stored
+conversation and output come before the new input; the old instructions do not, as in OpenAI's API). Without it
+nothing is kept: such a response says `"store": false`, and `previous_response_id` is refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pellucid.engine.async_llm import RequestStream
+from pellucid.logger import get_logger
+from pellucid.outputs import RequestOutput
+from pellucid.server.chat_answer import ChatAnswerStream, final_answer
+from pellucid.server.disconnect import EventStream, until_disconnect
+from pellucid.server.metrics import RequestTimer
+from pellucid.server.protocol import ProtocolError
+from pellucid.server.responses import ChoiceTracker
+from pellucid.server.responses_output import (ResponseEvents, logprobs_of, new_item_id, output_items, reasoning_tokens,
+                                              response_body, status_of, usage)
+from pellucid.server.responses_request import ResponsesRequest, responses_param, stored_items
+from pellucid.server.tool_calls import ToolPlan, plan_tools, with_tools
+
+if TYPE_CHECKING:
+    from pellucid.server.app import OpenAIServer
+
+logger = get_logger(__name__)
+
+
+class ResponseStore:
+    """The last `capacity` stored responses (least recently used out first): each one's body and the items a
+    later response continues from."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"the responses store size must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def put(self, response_id: str, body: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        self._entries[response_id] = (body, items)
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        if not self.enabled:
+            raise ProtocolError("this server keeps no responses; start it with --responses-store-size N to store "
+                                "them", param="response_id", status=404, code="not_found")
+        entry = self._entries.get(response_id)
+        if entry is None:
+            raise ProtocolError(f"no stored response {response_id!r} (never stored, deleted, or evicted: the store "
+                                f"keeps the last {self.capacity})", param="response_id", status=404,
+                                code="not_found")
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._entries[response_id]
+
+
+class ServerResponses:
+    """The routes of /v1/responses for one OpenAIServer."""
+
+    def __init__(self, server: "OpenAIServer", store_size: int = 0) -> None:
+        self.server = server
+        self.store = ResponseStore(store_size)
+
+    async def create(self, request: Request) -> Response:
+        server = self.server
+        timer = RequestTimer(server.metrics)
+        body = await server.parse(request, ResponsesRequest)
+        server.check_model(body.model)
+        body.check_unsupported()
+        if body.reasoning and "reasoning" not in server.ignored_fields:
+            server.ignored_fields.add("reasoning")
+            logger.warning("ignoring the Responses field 'reasoning' (effort, summary): whether a model thinks is its "
+                           "chat template's choice (chat_template_kwargs, e.g. {\"enable_thinking\": false})")
+        conversation = body.input_items()
+        if body.previous_response_id is not None:
+            if not self.store.enabled:
+                raise ProtocolError("previous_response_id needs stored responses: start the server with "
+                                    "--responses-store-size N", param="previous_response_id")
+            try:
+                _, earlier = self.store.get(body.previous_response_id)
+            except ProtocolError as exc:
+                raise ProtocolError(exc.message, param="previous_response_id") from exc
+            conversation = earlier + conversation
+        try:
+            chat = body.to_chat(conversation)
+            tools = plan_tools(chat.tools, chat.tool_choice, server.tool_call_parser, server.enable_auto_tool_choice,
+                               chat.parallel_tool_calls)
+            prompt_ids = server.chat_prompt(chat, chat.messages)
+            params = chat.sampling_params(chat.effective_max_tokens(), chat.num_logprobs())
+            if tools is not None:
+                params = with_tools(params, tools)
+            response_id = new_item_id("resp")
+            streams = await server.add_all([prompt_ids], params, response_id, param="messages")
+        except ProtocolError as exc:
+            exc.param = responses_param(exc.param)
+            raise
+        stored = body.store and self.store.enabled
+        run = _Run(self, body, response_id, conversation, tools, stored, time.time())
+        tracker = ChoiceTracker(n=1)
+        if body.stream:
+            return server_events(run, streams, tracker, timer)
+        finals: dict[int, RequestOutput] = {}
+        await until_disconnect(request, server._collect(streams, tracker, timer, finals))
+        return JSONResponse(run.finished(finals[0]))
+
+    async def retrieve(self, request: Request) -> Response:
+        body, _ = self.store.get(request.path_params["response_id"])
+        return JSONResponse(body)
+
+    async def delete(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        self.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+class _Run:
+    """One response being made: what its body echoes, and where it is stored when done."""
+
+    def __init__(self, routes: ServerResponses, body: ResponsesRequest, response_id: str,
+                 conversation: list[dict[str, Any]], tools: ToolPlan | None, stored: bool, created_at: float) -> None:
+        self.routes = routes
+        self.body = body
+        self.response_id = response_id
+        self.conversation = conversation
+        self.tools = tools
+        self.stored = stored
+        self.created_at = created_at
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return (self.body.top_logprobs or 0) if self.body.wants_logprobs else None
+
+    def response(self, status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        return response_body(self.body, self.response_id, self.created_at, self.routes.server.model_name, status,
+                             output, self.stored, **fields)
+
+    def usage(self, final: RequestOutput) -> dict[str, Any]:
+        server = self.routes.server
+        completion = final.outputs[0]
+        decode = lambda ids: server.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        return usage(final, completion, reasoning_tokens(completion, server.reasoning_parser, decode))
+
+    def done(self, final: RequestOutput, output: list[dict[str, Any]]) -> dict[str, Any]:
+        """The finished response's body, stored when asked for."""
+        status, incomplete = status_of(final.outputs[0].finish_reason)
+        body = self.response(status, output, usage=self.usage(final), incomplete=incomplete)
+        if self.stored:
+            self.routes.store.put(self.response_id, body, stored_items(self.conversation, output))
+        return body
+
+    def finished(self, final: RequestOutput) -> dict[str, Any]:
+        """The non-streamed response for the engine's final output."""
+        completion = final.outputs[0]
+        parser = self.routes.server.reasoning_parser
+        answer = final_answer(completion.text, completion.finish_reason, self.tools, parser)
+        logprobs = logprobs_of(completion, 0, self.top_logprobs) if self.top_logprobs is not None else None
+        return self.done(final, output_items(answer, logprobs))
+
+
+def server_events(run: _Run, streams: list[RequestStream], tracker: ChoiceTracker, timer: RequestTimer) -> Response:
+    return EventStream(_events(run, streams, tracker, timer))
+
+
+async def _events(run: _Run, streams: list[RequestStream], tracker: ChoiceTracker,
+                  timer: RequestTimer) -> AsyncIterator[str]:
+    """The SSE body: created and in_progress, the items' events as the answer grows, then completed or
+    incomplete (failed, with the error, if the request fails)."""
+    server = run.routes.server
+    events = ResponseEvents()
+    answer = ChatAnswerStream(run.tools, server.reasoning_parser)
+    yield events.lifecycle("response.created", run.response("in_progress", []))
+    yield events.lifecycle("response.in_progress", run.response("in_progress", []))
+    try:
+        final = None
+        async with contextlib.aclosing(server.merged(streams, timer, tracker)) as outputs:
+            async for _, output in outputs:
+                for delta in tracker.update(0, output):
+                    reasoning, content, calls, finish = answer.feed(delta.output.text, delta.finish_reason)
+                    logprobs = (logprobs_of(delta.output, delta.token_start, run.top_logprobs)
+                                if run.top_logprobs is not None else None)
+                    for piece in ((events.reasoning(reasoning) if reasoning else [])
+                                  + events.text(content or "", logprobs) + events.calls(calls)):
+                        yield piece
+                    if finish is not None:
+                        for piece in events.finish(delta.output.finish_reason, run.top_logprobs is not None):
+                            yield piece
+                if output.finished:
+                    final = output
+        assert final is not None
+        body = run.done(final, events.items)
+        # OpenAI streams no event of its own for a cancelled response: it ends as one that did not complete.
+        yield events.lifecycle("response.completed" if body["status"] == "completed" else "response.incomplete",
+                               body)
+    except Exception as exc:
+        error = server._stream_error(exc)
+        code = "invalid_prompt" if error.status == 400 else "server_error"
+        yield events.lifecycle("response.failed", run.response("failed", events.items,
+                                                               error={"code": code, "message": error.message}))
