@@ -67,6 +67,15 @@ class ModelConfig:
             raise ValueError(f"hf_overrides must be a dict of config fields, got {self.hf_overrides!r}")
 
 
+# CacheConfig.kv_cache_dtype: the model's dtype, or FP8 (e4m3, also named fp8, or e5m2); pellucid/attention/kv_dtype.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -75,6 +84,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None        # explicit pool size; overrides memory-based sizing
     cpu_kv_cache_bytes: int = 1 << 30       # pool size on CPU when num_kv_blocks is not given
+    kv_cache_dtype: str = "auto"            # KV_CACHE_DTYPES
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass

@@ -13,7 +13,9 @@ from pellucid.attention.norm_rotary import QKNormRotary
 class AttentionBackend(ABC):
     """One instance per model runner, shared by all attention layers (they have the same shapes).
 
-    KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values).
+    KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values), in
+    `kv_cache_dtype`: the model's dtype, or an FP8 type whose values write_kv rounds as
+    pellucid.attention.kv_dtype.quantize_kv does and forward reads back exactly.
     """
 
     name: str = ""
@@ -25,12 +27,16 @@ class AttentionBackend(ABC):
     kv_write_is_plain_store: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        if self.kv_cache_dtype != dtype:
+            # Storing into an FP8 cache rounds: no kernel that holds the final keys stores them in its place.
+            self.kv_write_is_plain_store = False
 
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Derive backend-specific metadata once per step (from host buffers; never read the device)."""

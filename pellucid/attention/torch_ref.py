@@ -12,7 +12,11 @@ from __future__ import annotations
 import torch
 
 from pellucid.attention.backend import AttentionBackend, register_backend
+from pellucid.attention.kv_dtype import quantize_kv
 from pellucid.attention.metadata import CommonAttentionMetadata
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @register_backend("torch")
@@ -26,8 +30,11 @@ class TorchReferenceBackend(AttentionBackend):
         # Boolean selection is free on the CPU; on a GPU it costs one sync, acceptable for a reference.
         keep = slots >= 0
         slots = slots[keep]
-        flat_cache[0].index_copy_(0, slots, key[keep].to(kv_cache.dtype))
-        flat_cache[1].index_copy_(0, slots, value[keep].to(kv_cache.dtype))
+        # Through a same-sized integer view: index_copy_ has no FP8 kernels on the CPU.
+        flat_bits = flat_cache.view(_BITS[kv_cache.element_size()])
+        for i, new in enumerate((key, value)):
+            stored = quantize_kv(new[keep], kv_cache.dtype)
+            flat_bits[i].index_copy_(0, slots, stored.view(flat_bits.dtype))
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CommonAttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from pellucid.attention.backend import AttentionBackend, register_backend
+from pellucid.attention.kv_dtype import is_fp8
 from pellucid.attention.metadata import CommonAttentionMetadata
 from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.attention.triton_kernels import decode_attention, unified_attention, write_kv
@@ -56,14 +57,21 @@ class TritonAttentionBackend(AttentionBackend):
     decode_programs_per_sm: int = 2
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device)
+                 device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, device, kv_cache_dtype)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"triton attention supports float16, bfloat16 and float32, not {dtype}")
         device = torch.device(device)
+        self.quantizes_kv = is_fp8(self.kv_cache_dtype)
+        if self.kv_cache_dtype not in (dtype, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"triton attention keeps its KV cache in the model's dtype or FP8, not {self.kv_cache_dtype}")
         if device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if self.kv_cache_dtype == torch.float8_e4m3fn and capability < (8, 9):
+                raise ValueError(f"an fp8_e4m3 KV cache needs a GPU of compute capability 8.9 or newer (this one is "
+                                 f"{capability[0]}.{capability[1]}); fp8_e5m2 converts on older GPUs too")
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         else:
             self.num_sms = 8  # CPU only under TRITON_INTERPRET=1 (tests); the split count just varies
@@ -127,9 +135,9 @@ class TritonAttentionBackend(AttentionBackend):
         return self._attend(query, kv_cache, metadata, scale, None)
 
     def fuses_qk_norm_rotary(self, metadata: TritonAttentionMetadata) -> bool:
-        # The split-KV decode kernel norms and rotates its heads and stores the new K/V itself; the unified
-        # kernel (prefill rows) does not.
-        return isinstance(metadata, TritonAttentionMetadata) and metadata.decode_only
+        # The split-KV decode kernel norms and rotates its heads and stores the new K/V itself, in the model's
+        # dtype; the unified kernel (prefill rows) does not. An FP8 cache is written by write_kv alone.
+        return isinstance(metadata, TritonAttentionMetadata) and metadata.decode_only and not self.quantizes_kv
 
     def forward_qk_norm_rotary(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata,
                                scale: float, norm_rotary: QKNormRotary) -> torch.Tensor:
@@ -146,8 +154,9 @@ class TritonAttentionBackend(AttentionBackend):
             raise TypeError(f"triton attention got {type(metadata).__name__}; pass what its build_metadata returned")
         if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_dim):
             raise ValueError(f"query {tuple(query.shape)} is not [T, {self.num_heads}, {self.head_dim}]")
-        if query.dtype != kv_cache.dtype:
-            raise ValueError(f"query dtype {query.dtype} differs from the KV cache dtype {kv_cache.dtype}")
+        if kv_cache.dtype not in (query.dtype, self.kv_cache_dtype):
+            raise ValueError(f"a KV cache of {kv_cache.dtype} for queries of {query.dtype}: the cache holds the "
+                             f"model's dtype or this backend's kv_cache_dtype ({self.kv_cache_dtype})")
         if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
             raise ValueError("triton attention needs the head dimension contiguous in query and kv_cache")
         common = metadata.common

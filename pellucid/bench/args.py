@@ -7,6 +7,7 @@ import os
 import tempfile
 
 from pellucid.bench.models import NAMED_CONFIGS
+from pellucid.config import KV_CACHE_DTYPES
 
 # `bench serve` variants: the extra `pellucid serve` flags of each.
 SERVER_VARIANTS = {"process": [], "thread": ["--no-engine-process"]}
@@ -21,6 +22,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="launch the next step before this one is read back (default: on for CUDA)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="the KV cache's element type (the floors count its bytes)")
     parser.add_argument("--seed", type=int, default=0)
 
 

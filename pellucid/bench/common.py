@@ -19,7 +19,8 @@ def make_engine(args: argparse.Namespace, max_model_len: int, max_num_seqs: int,
     config = EngineConfig.from_kwargs(model_dir, dtype="bfloat16", max_model_len=max_model_len,
                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-                                      gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, **extra)
+                                      gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                                      kv_cache_dtype=args.kv_cache_dtype, **extra)
     return LLM.from_config(config), model_dir
 
 

@@ -88,7 +88,7 @@ def run_latency(args: argparse.Namespace) -> None:
     core = llm.engine
     model = core.runner.model
     weights = weight_bytes_per_step(model)
-    kv_token = kv_bytes_per_token(model, core.dtype)
+    kv_token = kv_bytes_per_token(model, core.runner.kv_dtype)
     _run_batch(llm, min(batches), 16, 8, args.seed + 99)    # warm-up: kernel compilation
     moe = is_moe(model)
     timed = []

@@ -117,7 +117,7 @@ def run_throughput(args: argparse.Namespace) -> None:
     if is_moe(model):    # the experts a full batch touches per step (nearly all of them from ~64 tokens on)
         batch = min(args.max_num_seqs, args.num_requests)
         weights = decode_bytes(model, weights, measure_experts_touched(llm, batch, 64, 4, args.seed + 3))
-    floor = floors.bytes_time(memory_floor_bytes(weights, kv_bytes_per_token(model, core.dtype), input_lens,
+    floor = floors.bytes_time(memory_floor_bytes(weights, kv_bytes_per_token(model, core.runner.kv_dtype), input_lens,
                                                  output_lens))
     tokens = sum(output_lens)
     print_floors(floors)

@@ -5,7 +5,7 @@ import argparse
 import json
 from typing import Any
 
-from pellucid.config import ALL_REDUCES
+from pellucid.config import ALL_REDUCES, KV_CACHE_DTYPES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +17,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory sizing)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="element type of the KV cache: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: "
+                        "twice the tokens in the same memory, keys and values rounded to 8 bits (unscaled)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse KV blocks of shared prompt prefixes (default: on where the model supports it)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -61,7 +64,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of `LLM(...)` / `EngineConfig.from_kwargs` for parsed CLI flags."""
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,

@@ -152,9 +152,10 @@ class EngineCore:
         self.num_steps = 0
         self.step_seconds = 0.0
         logger.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d KV cache: %d blocks x %d tokens "
-                    "= %d tokens; prefix caching %s, chunked prefill %s (budget %d tokens/step)",
+                    "= %d tokens in %s; prefix caching %s, chunked prefill %s (budget %d tokens/step)",
                     mc.model, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,
                     self.num_blocks, config.cache.block_size, self.num_blocks * config.cache.block_size,
+                    str(self.runner.kv_dtype).removeprefix("torch."),
                     "on" if config.cache.enable_prefix_caching else "off",
                     "on" if sc.enable_chunked_prefill else "off", sc.max_num_batched_tokens)
 

@@ -10,6 +10,8 @@ from typing import Any, Iterator
 import torch
 
 from pellucid.attention.backend import AttentionBackend, get_backend_class
+from pellucid.attention.kv_dtype import resolve_kv_cache_dtype
+from pellucid.models.quantized_checkpoint import read_quantization_config
 from pellucid.attention.metadata import ForwardContext, forward_context
 from pellucid.config import EngineConfig
 from pellucid.distributed.parallel_state import get_tensor_parallel
@@ -98,8 +100,13 @@ class ModelRunner:
         # the others in pellucid.distributed.worker); only rank 0 reads the results back.
         self.tp = get_tensor_parallel()
         self.reads_results = self.tp is None or self.tp.is_driver
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+        if self.kv_dtype != dtype and (read_quantization_config(config.model.model) or {}).get("kv_cache_scheme"):
+            logger.warning("the checkpoint's calibrated KV-cache scales (its kv_cache_scheme) are not applied: the %s "
+                           "cache stores keys and values unscaled", str(self.kv_dtype).removeprefix("torch."))
         backend_cls = choose_backend(config.runner.attention_backend, device)
-        self.backend = backend_cls(model.num_attention_heads, model.num_kv_heads, model.head_dim, dtype, device)
+        self.backend = backend_cls(model.num_attention_heads, model.num_kv_heads, model.head_dim, dtype, device,
+                                   kv_cache_dtype=self.kv_dtype)
         # A model whose sampling is its own (Qwen3-Omni's talker: a frame of codes per row) makes its head.
         make_head = getattr(model, "make_lm_head", None)
         if make_head is not None:
@@ -186,7 +193,7 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem * m.num_attention_layers
 
     def determine_num_blocks(self) -> int:
@@ -255,7 +262,7 @@ class ModelRunner:
     def _new_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_attention_layers)]
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(m.num_attention_layers)]
 
     # ---- one step -------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

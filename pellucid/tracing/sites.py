@@ -120,7 +120,7 @@ def _probe(runner: Any) -> SiteTable:
     block_size = runner.block_size
     num_blocks = math.ceil(_PROBE_TOKENS / block_size)
     kv_shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    kv_caches = [torch.zeros(kv_shape, dtype=runner.dtype, device=runner.device)
+    kv_caches = [torch.zeros(kv_shape, dtype=runner.kv_dtype, device=runner.device)
                  for _ in range(model.num_attention_layers)]
     request = Request("site-probe", [0] * _PROBE_TOKENS, SamplingParams(max_tokens=1))
     request.block_ids = list(range(num_blocks))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from pellucid.attention.metadata import CommonAttentionMetadata
+from tests.gpu.check_support import interpret_file
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -364,15 +364,10 @@ def run_interpreter_cases() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernels_under_interpreter() -> None:
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    python_path = os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": python_path}
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if "INTERPRETER_UNSUPPORTED" in proc.stdout:
-        pytest.skip(proc.stdout.strip().splitlines()[-1] + " cannot run loops bounded by loaded values")
-    assert "interpreter cases passed" in proc.stdout
+    stdout = interpret_file(__file__, "--interpret")
+    if "INTERPRETER_UNSUPPORTED" in stdout:
+        pytest.skip(stdout.strip().splitlines()[-1] + " cannot run loops bounded by loaded values")
+    assert "interpreter cases passed" in stdout
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

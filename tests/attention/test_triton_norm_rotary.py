@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +19,7 @@ if __name__ == "__main__":     # run as a script (under the interpreter): make `
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.attention.test_triton_backend import make_case  # noqa: E402
+from tests.gpu.check_support import interpret_file  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -121,15 +121,10 @@ def test_decode_norm_rotary_on_gpu() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_decode_norm_rotary_under_interpreter() -> None:
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if "INTERPRETER_UNSUPPORTED" in proc.stdout:
-        pytest.skip(proc.stdout.strip().splitlines()[-1])
-    assert "norm rotary cases passed" in proc.stdout
+    stdout = interpret_file(__file__, "--interpret")
+    if "INTERPRETER_UNSUPPORTED" in stdout:
+        pytest.skip(stdout.strip().splitlines()[-1])
+    assert "norm rotary cases passed" in stdout
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

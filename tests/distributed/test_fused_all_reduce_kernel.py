@@ -7,13 +7,12 @@ row counts, and a mixture of experts' rows (top_k per token, summed on the rank 
 TRITON_INTERPRET must be set before triton is imported."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
+
+from tests.gpu.check_support import interpret_file
 
 try:
     import triton  # noqa: F401
@@ -82,12 +81,8 @@ def run_cases(world: int, rank: int, device: str = "cpu") -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fused_all_reduce_kernel_under_interpreter() -> None:
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "fused all-reduce cases passed" in proc.stdout
+    stdout = interpret_file(__file__, timeout=300)
+    assert "fused all-reduce cases passed" in stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")

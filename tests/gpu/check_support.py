@@ -29,14 +29,20 @@ def triton_importable() -> bool:
     return True
 
 
-def run_script_under_interpreter(script: str) -> None:
-    """Run tests/gpu/`script` on the CPU under the Triton interpreter; it exits non-zero on a mismatch.
-    The interpreter must be chosen before triton is imported, hence a fresh process."""
+def interpret_file(path: str, *args: str, timeout: float = 600) -> str:
+    """Run the Python file `path` with `args` on the CPU under the Triton interpreter, the repository importable;
+    its stdout, after asserting that it exited 0. The interpreter must be chosen before triton is imported, hence
+    a fresh process."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, os.path.join(HERE, script), "cpu"], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = subprocess.run([sys.executable, path, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def run_script_under_interpreter(script: str) -> None:
+    """Run tests/gpu/`script` on the CPU under the Triton interpreter; it exits non-zero on a mismatch."""
+    interpret_file(os.path.join(HERE, script), "cpu")
 
 
 def make_kv_store(num_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,

@@ -116,9 +116,11 @@ def _decode_split_kernel(
         # newest_row is a valid row even when no position of this split is the newest; then no pos matches.
         k_new = tl.load(k_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
         v_new = tl.load(v_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
+    # An FP8 cache's values become the queries' dtype exactly (no-ops for a cache in that dtype; the fused norm +
+    # rotary path runs only then).
     is_newest = (pos == newest)[:, None]
-    k = tl.where(is_newest, k_new[None, :], k)
-    v = tl.where(is_newest, v_new[None, :], v)
+    k = tl.where(is_newest, k_new.to(q.dtype)[None, :], k.to(q.dtype))
+    v = tl.where(is_newest, v_new.to(q.dtype)[None, :], v.to(q.dtype))
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -204,6 +206,9 @@ def decode_attention(
     norms and rotates its query heads and the new key itself, and the program whose split holds a request's
     newest position stores its key and value in the cache (at the position's block-table slot), so no
     separate q/k norm + rotary kernel or KV write runs.
+    An FP8 cache's tiles are converted to the queries' dtype after they are loaded; at long contexts and large
+    batches that makes the kernel slower than on a model-dtype cache, although it reads half the bytes
+    (BENCHMARKS.md, "FP8 KV cache").
     """
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]

@@ -58,6 +58,7 @@ def attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_
         kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
         kv_mask = d_mask[None, :]
-    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    # An FP8 cache's values become the queries' dtype exactly (a no-op for a cache in that dtype).
+    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     return attend_loaded(q, acc, m_i, l_i, k, v, pos, n_mask, q_pos, scale_log2, MASKED=MASKED, IEEE_DOT=IEEE_DOT)

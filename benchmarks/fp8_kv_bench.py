@@ -1,0 +1,97 @@
+"""An FP8 KV cache against the model-dtype cache, in one run: decode steps at long contexts (where the KV read
+outweighs the weights) and how many tokens each pool holds.
+
+    python3 benchmarks/fp8_kv_bench.py --model Llama-3.1-8B --batch-sizes 1,32,64 --context 4096
+
+Per batch size, the median engine decode step (CUDA graphs, stepping ahead; `pellucid bench latency`'s timing)
+with the cache in the model's dtype ("auto") and in fp8 (e4m3), and each one's floor: the weights plus the KV at
+the mean context, in the cache's bytes, over the copy bandwidth measured in the same run. Needs CUDA.
+`--sweep` adds rows with other decode-attention tiles for the FP8 cache, and the model-dtype cache with the
+K/V stores that an FP8 cache cannot fuse (rotary + KV store) run apart, as an FP8 cache runs them.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+
+from pellucid.bench.args import add_model_args
+from pellucid.bench.common import kv_bytes_per_token, make_engine, print_table, weight_bytes_per_step
+from pellucid.bench.floors import measure_floors, print_floors
+from pellucid.bench.latency import _run_batch
+from pellucid.kernels import KERNELS
+
+# name -> (kv cache dtype, TritonAttentionBackend knobs, PELLUCID_FUSED_KERNELS or None for the default)
+VARIANTS = {
+    "auto": ("auto", {}, None),
+    "fp8": ("fp8", {}, None),
+}
+SWEEP = {
+    "auto, K/V stores apart": ("auto", {}, ",".join(k for k in KERNELS if k != "rotary_kv_store")),
+    "fp8, tiles x2 tokens": ("fp8", {"decode_block_n_small_batch": 256, "decode_block_n_large_batch": 128}, None),
+    "fp8, 8 warps at large batches": ("fp8", {"decode_num_warps": 8}, None),
+    "fp8, 3 stages": ("fp8", {"decode_num_stages": 3}, None),
+    "fp8, tiles x2, 8 warps": ("fp8", {"decode_block_n_small_batch": 256, "decode_block_n_large_batch": 128,
+                                       "decode_num_warps": 8}, None),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--batch-sizes", default="1,32,64")
+    parser.add_argument("--context", type=int, default=4096, help="prompt tokens of each request")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--sweep", action="store_true", help="also other FP8 decode tiles (see the docstring)")
+    args = parser.parse_args()
+    import os
+
+    import torch
+    from pellucid.attention.triton_backend import TritonAttentionBackend
+
+    floors = measure_floors()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    max_len = args.context + args.output_len + 16
+    rows, pools = [], []
+    results: dict[tuple[str, int], float] = {}
+    variants = dict(VARIANTS, **(SWEEP if args.sweep else {}))
+    for name, (kv, knobs, fused) in variants.items():
+        args.kv_cache_dtype = kv
+        saved = {knob: getattr(TritonAttentionBackend, knob) for knob in knobs}
+        for knob, value in knobs.items():
+            setattr(TritonAttentionBackend, knob, value)
+        if fused is not None:
+            os.environ["PELLUCID_FUSED_KERNELS"] = fused
+        llm, _ = make_engine(args, max_len, max(batches), 8192)
+        core = llm.engine
+        model = core.runner.model
+        weights = weight_bytes_per_step(model)
+        kv_token = kv_bytes_per_token(model, core.runner.kv_dtype)
+        if name in VARIANTS:
+            pools.append([kv, str(core.runner.kv_dtype).removeprefix("torch."), f"{core.num_blocks:,}",
+                          f"{core.num_blocks * core.config.cache.block_size:,}"])
+        _run_batch(llm, 1, 16, 8, args.seed + 99)      # warm-up: compilation
+        for batch in batches:
+            _, steps = _run_batch(llm, batch, args.context, args.output_len, args.seed + batch)
+            step = statistics.median(steps)
+            results[(name, batch)] = step
+            floor = floors.bytes_time(weights + batch * (args.context + args.output_len / 2) * kv_token)
+            rows.append([name, str(batch), f"{batch * (args.context + args.output_len / 2) * kv_token / 1e9:.2f}",
+                         f"{step * 1e3:.3f}", f"{floor * 1e3:.3f}", f"{step / floor:.2f}x",
+                         "-" if name == "auto" else f"{step / results[('auto', batch)]:.2f}"])
+        del llm, core, model
+        gc.collect()
+        torch.cuda.empty_cache()
+        for knob, value in saved.items():
+            setattr(TritonAttentionBackend, knob, value)
+        os.environ.pop("PELLUCID_FUSED_KERNELS", None)
+    print_floors(floors)
+    print(f"\n{args.model}, prompts of {args.context} tokens, {args.output_len} generated")
+    print_table(["variant", "batch", "KV GB read/step", "decode ms/step", "floor ms/step", "step / floor",
+                 "step vs auto"], rows)
+    print()
+    print_table(["kv cache", "dtype", "blocks", "tokens held"], pools)
+
+
+if __name__ == "__main__":
+    main()
