@@ -141,15 +141,24 @@ def run_kernel_checks(device: str, half: torch.dtype = torch.bfloat16) -> None:
     print("fp8 kv checks passed")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernels (tests/gpu)")
 def test_triton_kernels_on_an_fp8_cache_under_the_interpreter():
     pytest.importorskip("triton")
     stdout = interpret_file(__file__, "--interpret")
+    if "INTERPRETER_UNSUPPORTED" in stdout:
+        pytest.skip(stdout.strip().splitlines()[-1] + " cannot run loops bounded by loaded values")
     assert "fp8 kv checks passed" in stdout
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
+    from tests.attention.test_triton_backend import interpreter_handles_loaded_loop_bounds
     torch.set_num_threads(1)
-    run_kernel_checks("cpu", half=torch.float16)
+    if interpreter_handles_loaded_loop_bounds():
+        run_kernel_checks("cpu", half=torch.float16)
+    else:
+        import numpy
+        import triton
+        print(f"INTERPRETER_UNSUPPORTED: triton {triton.__version__} interpreter with numpy {numpy.__version__}")
 
 
 def test_calibrated_kv_scales_of_a_checkpoint_are_said_to_be_unused(tiny_model_factory, monkeypatch):
