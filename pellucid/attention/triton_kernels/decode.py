@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.attention.kv_dtype import is_fp8
 from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.attention.triton_kernels.norm_rotary import norm_rotate, rotary_factors
 from pellucid.attention.triton_kernels.tile import attend_loaded, attend_tile, kv_tile_rows
@@ -36,7 +37,7 @@ def _decode_split_kernel(
     cos_sin_ptr, stride_cs_kind, stride_cs_pos, positions_ptr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, IEEE_DOT: tl.constexpr,
-    NORM_ROTARY: tl.constexpr, PDL: tl.constexpr,
+    NORM_ROTARY: tl.constexpr, HALF_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """NORM_ROTARY: q_ptr, k_ptr and v_ptr are the raw projections of this step's tokens; the kernel applies
     the q/k RMSNorm and rotary itself (see decode_attention) and stores the new K/V in the cache."""
@@ -118,6 +119,8 @@ def _decode_split_kernel(
         v_new = tl.load(v_cache_ptr + newest_row + offs_d, mask=d_mask, other=0.0)
     # An FP8 cache's values become the queries' dtype exactly (no-ops for a cache in that dtype; the fused norm +
     # rotary path runs only then).
+    if HALF_DOT:
+        q = q.to(tl.float16)
     is_newest = (pos == newest)[:, None]
     k = tl.where(is_newest, k_new.to(q.dtype)[None, :], k.to(q.dtype))
     v = tl.where(is_newest, v_new.to(q.dtype)[None, :], v.to(q.dtype))
@@ -206,9 +209,9 @@ def decode_attention(
     norms and rotates its query heads and the new key itself, and the program whose split holds a request's
     newest position stores its key and value in the cache (at the position's block-table slot), so no
     separate q/k norm + rotary kernel or KV write runs.
-    An FP8 cache's tiles are converted to the queries' dtype after they are loaded; at long contexts and large
-    batches that makes the kernel slower than on a model-dtype cache, although it reads half the bytes
-    (BENCHMARKS.md, "FP8 KV cache").
+    An FP8 cache's tiles are converted after they are loaded (to float16 for bfloat16 queries: half_dot); at long
+    contexts and large batches the kernel is still slower than on a model-dtype cache, although it reads half the
+    bytes (BENCHMARKS.md, "FP8 KV cache").
     """
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -233,7 +236,8 @@ def decode_attention(
         **_norm_rotary_args(norm_rotary, query),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT_OUTPUT=direct,
-        IEEE_DOT=query.dtype == torch.float32, NORM_ROTARY=norm_rotary is not None, num_warps=num_warps,
+        IEEE_DOT=query.dtype == torch.float32, NORM_ROTARY=norm_rotary is not None,
+        HALF_DOT=half_dot(query.dtype, k_cache.dtype), num_warps=num_warps,
         num_stages=num_stages, **pdl_launch_options(query),
     )
     if direct:
@@ -247,6 +251,13 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
         num_warps=4 if head_dim >= 128 else 2, **pdl_launch_options(query),
     )
+
+
+def half_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the split kernel multiplies in float16 rather than the queries' bfloat16: on an FP8 cache, whose
+    values float16 holds exactly and converts to in one instruction per pair (to bfloat16 it takes several), as it
+    holds the bfloat16 queries (but for their tiniest values) and the probabilities more finely."""
+    return is_fp8(cache_dtype) and query_dtype == torch.bfloat16
 
 
 def _norm_rotary_args(norm_rotary: QKNormRotary | None, query: torch.Tensor) -> dict[str, Any]:
