@@ -20,7 +20,12 @@ from pellucid.bench.moe import decode_bytes, is_moe, measure_experts_touched, mo
 
 
 def _run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
-    """(prefill seconds until every request has its first token, decode step seconds)."""
+    """(prefill seconds until every request has its first token, decode step seconds).
+
+    Only steps that decode all `batch` requests count. A chunked prefill gives the requests their first tokens
+    in different steps, so the first ones also finish first; steps after that decode fewer requests, and timing
+    them would report a smaller batch (64 prompts of 4,096 tokens take 32 prefill steps: with 32 output tokens
+    no step decoded all 64)."""
     from pellucid.sampling_params import SamplingParams
 
     core = llm.engine
@@ -29,16 +34,22 @@ def _run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> t
     vocab = core.runner.head.vocab_size
     for i, prompt in enumerate(random_prompts([input_len] * batch, vocab, seed)):
         llm.add_request(f"lat-{batch}-{i}", prompt, params)
-    torch.cuda.synchronize()
+    if core.device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.num_waiting:
         llm.step()
     prefill = time.perf_counter() - start
     steps = []
     while llm.has_unfinished_requests():
+        whole_batch = len(core.scheduler.running) == batch
         t0 = time.perf_counter()
         llm.step()      # ends with the sampled-token readback, so the GPU work is included
-        steps.append(time.perf_counter() - t0)
+        if whole_batch:
+            steps.append(time.perf_counter() - t0)
+    if not steps:
+        raise ValueError(f"no decode step ran all {batch} requests: the first ones finished ({output_len} tokens) "
+                         f"before the last ones' prompts ({input_len} tokens) were prefilled; ask for more output")
     return prefill, steps[:-1] if len(steps) > 1 else steps
 
 
