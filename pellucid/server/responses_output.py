@@ -37,9 +37,12 @@ def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def logprobs_of(output: CompletionOutput, start: int, top_logprobs: int | None) -> list[dict[str, Any]]:
-    """Logprobs of output positions [start:] in the output_text part's form."""
-    return [entry.model_dump() for entry in chat_logprobs(output, start, top_logprobs or 0).content]
+def logprobs_of(output: CompletionOutput, start: int, top_logprobs: int | None) -> list[dict[str, Any]] | None:
+    """Logprobs of output positions [start:] in the output_text part's form, with `top_logprobs` alternatives each
+    (None: none asked for)."""
+    if top_logprobs is None:
+        return None
+    return [entry.model_dump() for entry in chat_logprobs(output, start, top_logprobs).content]
 
 
 def reasoning_tokens(output: CompletionOutput, parser: ReasoningParser | None,

@@ -92,9 +92,12 @@ class ResponsesRequest(_Lenient):
             raise ProtocolError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
 
     @property
-    def wants_logprobs(self) -> bool:
-        """Logprobs on the message's text: asked for by `include`, or by `top_logprobs` alone."""
-        return LOGPROBS_INCLUDE in (self.include or ()) or self.top_logprobs is not None
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token in the message's logprobs (0: the chosen token's alone); None without logprobs.
+        They are asked for by `include`, or by `top_logprobs` alone."""
+        if LOGPROBS_INCLUDE in (self.include or ()) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
 
     def input_items(self) -> list[dict[str, Any]]:
         """`input` as a list of items (a string is one user message)."""
@@ -112,7 +115,7 @@ class ResponsesRequest(_Lenient):
         fields: dict[str, Any] = {
             "messages": [ChatMessage.model_validate(m) for m in messages],
             "max_completion_tokens": self.max_output_tokens, "parallel_tool_calls": self.parallel_tool_calls,
-            "logprobs": self.wants_logprobs, "top_logprobs": (self.top_logprobs or 0) if self.wants_logprobs else None,
+            "logprobs": self.num_logprobs is not None, "top_logprobs": self.num_logprobs,
             "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
             "response_format": response_format(self.text), "structured_outputs": self.structured_outputs,
             "chat_template_kwargs": self.chat_template_kwargs,

@@ -118,7 +118,7 @@ class ServerResponses:
         run = _Run(self, body, response_id, conversation, tools, stored, time.time())
         tracker = ChoiceTracker(n=1)
         if body.stream:
-            return server_events(run, streams, tracker, timer)
+            return EventStream(_events(run, streams, tracker, timer))
         finals: dict[int, RequestOutput] = {}
         await until_disconnect(request, server._collect(streams, tracker, timer, finals))
         return JSONResponse(run.finished(finals[0]))
@@ -146,10 +146,6 @@ class _Run:
         self.stored = stored
         self.created_at = created_at
 
-    @property
-    def top_logprobs(self) -> int | None:
-        return (self.body.top_logprobs or 0) if self.body.wants_logprobs else None
-
     def response(self, status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
         return response_body(self.body, self.response_id, self.created_at, self.routes.server.model_name, status,
                              output, self.stored, **fields)
@@ -173,12 +169,7 @@ class _Run:
         completion = final.outputs[0]
         parser = self.routes.server.reasoning_parser
         answer = final_answer(completion.text, completion.finish_reason, self.tools, parser)
-        logprobs = logprobs_of(completion, 0, self.top_logprobs) if self.top_logprobs is not None else None
-        return self.done(final, output_items(answer, logprobs))
-
-
-def server_events(run: _Run, streams: list[RequestStream], tracker: ChoiceTracker, timer: RequestTimer) -> Response:
-    return EventStream(_events(run, streams, tracker, timer))
+        return self.done(final, output_items(answer, logprobs_of(completion, 0, self.body.num_logprobs)))
 
 
 async def _events(run: _Run, streams: list[RequestStream], tracker: ChoiceTracker,
@@ -196,13 +187,12 @@ async def _events(run: _Run, streams: list[RequestStream], tracker: ChoiceTracke
             async for _, output in outputs:
                 for delta in tracker.update(0, output):
                     reasoning, content, calls, finish = answer.feed(delta.output.text, delta.finish_reason)
-                    logprobs = (logprobs_of(delta.output, delta.token_start, run.top_logprobs)
-                                if run.top_logprobs is not None else None)
+                    logprobs = logprobs_of(delta.output, delta.token_start, run.body.num_logprobs)
                     for piece in ((events.reasoning(reasoning) if reasoning else [])
                                   + events.text(content or "", logprobs) + events.calls(calls)):
                         yield piece
                     if finish is not None:
-                        for piece in events.finish(delta.output.finish_reason, run.top_logprobs is not None):
+                        for piece in events.finish(delta.output.finish_reason, run.body.num_logprobs is not None):
                             yield piece
                 if output.finished:
                     final = output
