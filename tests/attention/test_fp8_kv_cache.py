@@ -14,7 +14,8 @@ import torch
 from pellucid.attention.kv_dtype import quantize_kv, resolve_kv_cache_dtype
 from pellucid.llm import LLM
 from pellucid.sampling_params import SamplingParams
-from tests.gpu.check_support import interpret_file
+from tests.gpu.check_support import interpreted_checks, interpreter_runs_loaded_loop_bounds
+from tests.log_records import pellucid_log_records
 from tests.reference import random_prompts
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -144,40 +145,24 @@ def run_kernel_checks(device: str, half: torch.dtype = torch.bfloat16) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the compiled kernels (tests/gpu)")
 def test_triton_kernels_on_an_fp8_cache_under_the_interpreter():
     pytest.importorskip("triton")
-    stdout = interpret_file(__file__, "--interpret")
-    if "INTERPRETER_UNSUPPORTED" in stdout:
-        pytest.skip(stdout.strip().splitlines()[-1] + " cannot run loops bounded by loaded values")
-    assert "fp8 kv checks passed" in stdout
-
-
-if __name__ == "__main__" and "--interpret" in sys.argv:
-    from tests.attention.test_triton_backend import interpreter_handles_loaded_loop_bounds
-    torch.set_num_threads(1)
-    if interpreter_handles_loaded_loop_bounds():
-        run_kernel_checks("cpu", half=torch.float16)
-    else:
-        import numpy
-        import triton
-        print(f"INTERPRETER_UNSUPPORTED: triton {triton.__version__} interpreter with numpy {numpy.__version__}")
+    interpreted_checks(__file__, "fp8 kv checks passed")
 
 
 def test_calibrated_kv_scales_of_a_checkpoint_are_said_to_be_unused(tiny_model_factory, monkeypatch):
     """A checkpoint calibrated for an FP8 cache (compressed-tensors' kv_cache_scheme) carries k/v scales this cache
     does not apply: the engine says so rather than ignoring them quietly."""
-    import logging
-
     import pellucid.runner.model_runner as model_runner
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append       # type: ignore[method-assign]
-    logging.getLogger("pellucid").addHandler(handler)
     monkeypatch.setattr(model_runner, "read_quantization_config",
                         lambda _dir: {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}})
-    try:
+    with pellucid_log_records() as records:
         for kv in ("auto", "fp8"):
             LLM(tiny_model_factory("qwen3"), device="cpu", kv_cache_dtype=kv, num_kv_blocks=8, max_model_len=64)
-    finally:
-        logging.getLogger("pellucid").removeHandler(handler)
     warned = [r.getMessage() for r in records if "kv_cache_scheme" in r.getMessage()]
     assert len(warned) == 1 and "float8_e4m3fn" in warned[0]
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    torch.set_num_threads(1)
+    if interpreter_runs_loaded_loop_bounds():
+        run_kernel_checks("cpu", half=torch.float16)

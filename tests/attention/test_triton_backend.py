@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pellucid.attention.metadata import CommonAttentionMetadata
-from tests.gpu.check_support import interpret_file
+from tests.gpu.check_support import interpreted_checks, interpreter_runs_loaded_loop_bounds
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -300,36 +300,10 @@ INTERPRETER_CASES = [  # (seed, mixed, block_size, heads, kv_heads, head_dim, dt
 ]
 
 
-def interpreter_handles_loaded_loop_bounds() -> bool:
-    """Older Triton interpreters (3.6 seen) call int() on 1-element arrays, which numpy >= 2.4 refuses,
-    so any loop bounded by a loaded value fails there before reaching our code."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def probe(bound_ptr, out_ptr):
-        total = 0
-        for i in range(0, tl.load(bound_ptr)):
-            total += i
-        tl.store(out_ptr, total)
-
-    out = torch.zeros(1, dtype=torch.int32)
-    try:
-        probe[(1,)](torch.tensor([4], dtype=torch.int32), out)
-    except Exception as exc:  # the interpreter wraps the TypeError in its own error type
-        if "0-dimensional arrays" not in repr(exc):
-            raise
-        return False
-    return int(out) == 6
-
-
 def run_interpreter_cases() -> None:
     """Small cases on the CPU; needs TRITON_INTERPRET=1 set before triton was imported."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    if not interpreter_handles_loaded_loop_bounds():
-        import numpy
-        import triton
-        print(f"INTERPRETER_UNSUPPORTED: triton {triton.__version__} interpreter with numpy {numpy.__version__}")
+    if not interpreter_runs_loaded_loop_bounds():
         return
     for seed, mixed, block_size, heads, kv_heads, head_dim, dtype in INTERPRETER_CASES:
         gen = torch.Generator().manual_seed(seed)
@@ -364,10 +338,7 @@ def run_interpreter_cases() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernels_under_interpreter() -> None:
-    stdout = interpret_file(__file__, "--interpret")
-    if "INTERPRETER_UNSUPPORTED" in stdout:
-        pytest.skip(stdout.strip().splitlines()[-1] + " cannot run loops bounded by loaded values")
-    assert "interpreter cases passed" in stdout
+    interpreted_checks(__file__, "interpreter cases passed")
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

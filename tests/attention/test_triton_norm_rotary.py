@@ -19,7 +19,7 @@ if __name__ == "__main__":     # run as a script (under the interpreter): make `
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.attention.test_triton_backend import make_case  # noqa: E402
-from tests.gpu.check_support import interpret_file  # noqa: E402
+from tests.gpu.check_support import interpreted_checks, interpreter_runs_loaded_loop_bounds  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -121,19 +121,10 @@ def test_decode_norm_rotary_on_gpu() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_decode_norm_rotary_under_interpreter() -> None:
-    stdout = interpret_file(__file__, "--interpret")
-    if "INTERPRETER_UNSUPPORTED" in stdout:
-        pytest.skip(stdout.strip().splitlines()[-1])
-    assert "norm rotary cases passed" in stdout
+    interpreted_checks(__file__, "norm rotary cases passed")
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
-    from tests.attention.test_triton_backend import interpreter_handles_loaded_loop_bounds
-
     torch.set_num_threads(1)
-    if not interpreter_handles_loaded_loop_bounds():
-        import triton
-        print(f"INTERPRETER_UNSUPPORTED: the triton {triton.__version__} interpreter cannot run loops bounded by "
-              "loaded values")
-    else:
+    if interpreter_runs_loaded_loop_bounds():
         run_cases("cpu")

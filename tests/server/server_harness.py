@@ -1,8 +1,6 @@
 """Test harness: a real server on 127.0.0.1 (uvicorn in a background thread) and shared helpers."""
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import random
 import socket
@@ -10,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 from dataclasses import dataclass
 
@@ -78,20 +75,6 @@ def start_server(llm: AsyncLLM, api_key: str | None = None) -> RunningServer:
     """The app as `pellucid serve --enable-auto-tool-choice --tool-call-parser hermes` builds it."""
     app = build_app(llm, MODEL_NAME, api_key=api_key, tool_call_parser="hermes", enable_auto_tool_choice=True)
     return RunningServer(*run_app_in_thread(app), llm=llm)
-
-
-@contextlib.contextmanager
-def pellucid_log_records() -> Iterator[list[logging.LogRecord]]:
-    """The records the `pellucid` logger emits inside the block (whatever pytest's capture does)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append       # type: ignore[method-assign]
-    logger = logging.getLogger("pellucid")
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
 
 
 def random_prompts(seed: int, count: int) -> list[str]:

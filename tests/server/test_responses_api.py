@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 from pellucid.engine.async_llm import AsyncLLM
 from pellucid.sampling_params import SamplingParams
 from pellucid.server.app import build_app
-from server_harness import (ENGINE_KWARGS, MODEL_NAME, pellucid_log_records, random_prompts, run_app_in_thread,
-                            wait_until)
+from server_harness import ENGINE_KWARGS, MODEL_NAME, random_prompts, run_app_in_thread, wait_until
+from tests.log_records import pellucid_log_records
 from tests.step_faults import failing_step
 
 STORE_SIZE = 4

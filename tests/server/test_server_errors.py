@@ -7,7 +7,8 @@ import httpx
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, pellucid_log_records, start_server, wait_until
+from server_harness import MODEL_NAME, start_server, wait_until
+from tests.log_records import pellucid_log_records
 from tests.step_faults import failing_step
 
 CHAT = [{"role": "user", "content": "hello"}]
