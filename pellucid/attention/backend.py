@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import torch
 
+from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales
 from pellucid.attention.metadata import CommonAttentionMetadata
 from pellucid.attention.norm_rotary import QKNormRotary
 
@@ -14,8 +15,9 @@ class AttentionBackend(ABC):
     """One instance per model runner, shared by all attention layers (they have the same shapes).
 
     KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = keys, 1 = values), in
-    `kv_cache_dtype`: the model's dtype, or an FP8 type whose values write_kv rounds as
-    pellucid.attention.kv_dtype.quantize_kv does and forward reads back exactly.
+    `kv_cache_dtype`: the model's dtype, or an FP8 type whose values write_kv scales and rounds as
+    pellucid.attention.kv_dtype.quantize_kv does and forward reads back times the same layer's scales
+    (`kv_scales`, which only an FP8 cache applies).
     """
 
     name: str = ""
@@ -44,13 +46,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scales: KvScales = UNIT_KV_SCALES) -> None:
         """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their slots; slot -1 is skipped."""
 
     @abstractmethod
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float,
+                kv_scales: KvScales = UNIT_KV_SCALES) -> torch.Tensor:
         """Causal attention of query [T, heads, head_dim] over each request's cached prefix plus its
-        own new tokens (already written by write_kv). Returns [T, heads, head_dim]."""
+        own new tokens (already written by write_kv with the same `kv_scales`). Returns [T, heads, head_dim]."""
 
     def decode_graph_lengths(self, num_reqs: int, max_model_len: int) -> list[int]:
         """The longest-sequence lengths, ascending and ending at max_model_len, at which to capture the decode

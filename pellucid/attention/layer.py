@@ -9,12 +9,18 @@ import torch
 from torch import nn
 
 from pellucid.attention.fused_kv_store import FusedKVStore
+from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales, is_fp8
 from pellucid.attention.metadata import get_forward_context
 from pellucid.attention.norm_rotary import QKNormRotary
 
 
 class Attention(nn.Module):
-    """Causal paged attention for one decoder layer (`layer_idx` picks its KV cache)."""
+    """Causal paged attention for one decoder layer (`layer_idx` picks its KV cache).
+
+    `kv_scales`: the checkpoint's calibrated KV-cache scales for this layer, None where it has none
+    (pellucid.models.kv_cache_scales sets them at load). An FP8 cache applies them (1.0 without); a cache in the
+    model's dtype does not need them.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, scale: float) -> None:
         super().__init__()
@@ -25,6 +31,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.layer_idx = layer_idx
         self.scale = scale
+        self.kv_scales: KvScales | None = None
 
     def plain_kv_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(this layer's KV cache, the step's slot mapping) when the backend's KV write is the plain store
@@ -52,9 +59,10 @@ class Attention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
+        kv_scales = self.kv_scales if self.kv_scales is not None and is_fp8(kv_cache.dtype) else UNIT_KV_SCALES
         if kv_store is None or not kv_store.stored:
-            ctx.backend.write_kv(key, value, kv_cache, ctx.attn_metadata.slot_mapping)
-        output = ctx.backend.forward(query, kv_cache, ctx.backend_metadata, self.scale)
+            ctx.backend.write_kv(key, value, kv_cache, ctx.attn_metadata.slot_mapping, kv_scales)
+        output = ctx.backend.forward(query, kv_cache, ctx.backend_metadata, self.scale, kv_scales)
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def fuses_qk_norm_rotary(self) -> bool:
@@ -73,5 +81,6 @@ class Attention(nn.Module):
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
+        scales = "" if self.kv_scales is None else f", k_scale={self.kv_scales.k:.4g}, v_scale={self.kv_scales.v:.4g}"
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, scale={self.scale:.4g}")
+                f"head_dim={self.head_dim}, scale={self.scale:.4g}{scales}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pellucid.attention.backend import AttentionBackend, register_backend
-from pellucid.attention.kv_dtype import quantize_kv
+from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales, dequantize_kv, quantize_kv
 from pellucid.attention.metadata import CommonAttentionMetadata
 
 
@@ -23,7 +23,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class TorchReferenceBackend(AttentionBackend):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scales: KvScales = UNIT_KV_SCALES) -> None:
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         flat_cache = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
         slots = slot_mapping[: key.shape[0]]
@@ -32,12 +32,12 @@ class TorchReferenceBackend(AttentionBackend):
         slots = slots[keep]
         # Through a same-sized integer view: index_copy_ has no FP8 kernels on the CPU.
         flat_bits = flat_cache.view(_BITS[kv_cache.element_size()])
-        for i, new in enumerate((key, value)):
-            stored = quantize_kv(new[keep], kv_cache.dtype)
+        for i, (new, scale) in enumerate(((key, kv_scales.k), (value, kv_scales.v))):
+            stored = quantize_kv(new[keep], kv_cache.dtype, scale)
             flat_bits[i].index_copy_(0, slots, stored.view(flat_bits.dtype))
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CommonAttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales: KvScales = UNIT_KV_SCALES) -> torch.Tensor:
         output = torch.zeros_like(query)   # padding rows past the last request stay zero
         block_size = kv_cache.shape[2]
         group = self.num_heads // self.num_kv_heads
@@ -47,7 +47,7 @@ class TorchReferenceBackend(AttentionBackend):
         decodes = [r for r in range(metadata.num_reqs)
                    if query_starts[r + 1] - query_starts[r] == 1 and seq_lens[r] == computed[r] + 1]
         if len(decodes) > 1:
-            self._decode_rows(query, kv_cache, metadata, scale, decodes, output)
+            self._decode_rows(query, kv_cache, metadata, scale, kv_scales, decodes, output)
         batched = set(decodes) if len(decodes) > 1 else set()
         for r in range(metadata.num_reqs):
             start, end = query_starts[r], query_starts[r + 1]
@@ -61,8 +61,8 @@ class TorchReferenceBackend(AttentionBackend):
             blocks = metadata.block_table[r, :num_blocks].to(torch.long)
             keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]      # [S, kv_heads, D]
             values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
-            keys = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)    # [H, S, D]
-            values = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+            keys = dequantize_kv(keys, kv_scales.k).repeat_interleave(group, dim=1).transpose(0, 1)    # [H, S, D]
+            values = dequantize_kv(values, kv_scales.v).repeat_interleave(group, dim=1).transpose(0, 1)
             q = query[start:end].float().transpose(0, 1)                            # [H, Q, D]
             scores = torch.matmul(q, keys.transpose(1, 2)) * scale                  # [H, Q, S]
             query_positions = torch.arange(computed[r], seq_len, device=query.device)
@@ -74,7 +74,7 @@ class TorchReferenceBackend(AttentionBackend):
         return output
 
     def _decode_rows(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CommonAttentionMetadata,
-                     scale: float, requests: list[int], output: torch.Tensor) -> None:
+                     scale: float, kv_scales: KvScales, requests: list[int], output: torch.Tensor) -> None:
         """Requests with one new token each: gather their keys/values padded to the longest, mask the padding."""
         device, block_size = query.device, kv_cache.shape[2]
         seq_lens = metadata.seq_lens_cpu[requests].to(device=device, dtype=torch.long)
@@ -82,8 +82,8 @@ class TorchReferenceBackend(AttentionBackend):
         max_len = int(metadata.seq_lens_cpu[requests].max())
         blocks = metadata.block_table[torch.tensor(requests, device=metadata.block_table.device),
                                       : -(-max_len // block_size)].to(device=device, dtype=torch.long)
-        keys = kv_cache[0][blocks].flatten(1, 2)[:, :max_len].float()              # [B, S, kv_heads, D]
-        values = kv_cache[1][blocks].flatten(1, 2)[:, :max_len].float()
+        keys = dequantize_kv(kv_cache[0][blocks].flatten(1, 2)[:, :max_len], kv_scales.k)   # [B, S, kv_heads, D]
+        values = dequantize_kv(kv_cache[1][blocks].flatten(1, 2)[:, :max_len], kv_scales.v)
         group = self.num_heads // self.num_kv_heads
         q = query.index_select(0, rows).float().view(len(requests), self.num_kv_heads, group, -1)
         scores = torch.einsum("bhgd,bshd->bhgs", q, keys) * scale                   # [B, kv_heads, G, S]

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from pellucid.attention.backend import AttentionBackend, register_backend
-from pellucid.attention.kv_dtype import is_fp8
+from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales, is_fp8
 from pellucid.attention.metadata import CommonAttentionMetadata
 from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.attention.triton_kernels import decode_attention, unified_attention, write_kv
@@ -127,12 +127,12 @@ class TritonAttentionBackend(AttentionBackend):
         return lengths + [max_model_len]
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        write_kv(key, value, kv_cache, slot_mapping)
+                 slot_mapping: torch.Tensor, kv_scales: KvScales = UNIT_KV_SCALES) -> None:
+        write_kv(key, value, kv_cache, slot_mapping, kv_scales)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata,
-                scale: float) -> torch.Tensor:
-        return self._attend(query, kv_cache, metadata, scale, None)
+                scale: float, kv_scales: KvScales = UNIT_KV_SCALES) -> torch.Tensor:
+        return self._attend(query, kv_cache, metadata, scale, None, kv_scales)
 
     def fuses_qk_norm_rotary(self, metadata: TritonAttentionMetadata) -> bool:
         # The split-KV decode kernel norms and rotates its heads and stores the new K/V itself, in the model's
@@ -146,10 +146,10 @@ class TritonAttentionBackend(AttentionBackend):
         norm_rotary.check(query)
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != norm_rotary.key.shape[1:]:
             raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not hold keys {tuple(norm_rotary.key.shape[1:])}")
-        return self._attend(query, kv_cache, metadata, scale, norm_rotary)
+        return self._attend(query, kv_cache, metadata, scale, norm_rotary, UNIT_KV_SCALES)
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonAttentionMetadata, scale: float,
-                norm_rotary: QKNormRotary | None) -> torch.Tensor:
+                norm_rotary: QKNormRotary | None, kv_scales: KvScales) -> torch.Tensor:
         if not isinstance(metadata, TritonAttentionMetadata):
             raise TypeError(f"triton attention got {type(metadata).__name__}; pass what its build_metadata returned")
         if query.dim() != 3 or query.shape[1:] != (self.num_heads, self.head_dim):
@@ -170,9 +170,10 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
                              out, scale, metadata.num_splits, metadata.partial_out, metadata.partial_lse,
                              block_n=metadata.decode_block_n, num_warps=metadata.decode_num_warps,
-                             num_stages=self.decode_num_stages, norm_rotary=norm_rotary)
+                             num_stages=self.decode_num_stages, norm_rotary=norm_rotary, kv_scales=kv_scales)
         else:
             unified_attention(query, k_cache, v_cache, common.block_table, common.seq_lens, common.query_start_loc,
                               out, scale, block_m=self.prefill_block_m, block_n=self.prefill_block_n,
-                              num_warps=self.prefill_num_warps, num_stages=self.prefill_num_stages)
+                              num_warps=self.prefill_num_warps, num_stages=self.prefill_num_stages,
+                              kv_scales=kv_scales)
         return out

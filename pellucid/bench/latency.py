@@ -20,7 +20,7 @@ from pellucid.bench.moe import decode_bytes, is_moe, measure_experts_touched, mo
 
 
 def _run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, list[float]]:
-    """(prefill seconds until every request has its first token, decode step seconds).
+    """(prefill seconds until every request has its first token, decode step seconds: none for one output token).
 
     Only steps that decode all `batch` requests count. A chunked prefill gives the requests their first tokens
     in different steps, so the first ones also finish first; steps after that decode fewer requests, and timing
@@ -47,7 +47,7 @@ def _run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> t
         llm.step()      # ends with the sampled-token readback, so the GPU work is included
         if whole_batch:
             steps.append(time.perf_counter() - t0)
-    if not steps:
+    if not steps and output_len > 1:     # one output token (a prefill timing) has no decode step to time
         raise ValueError(f"no decode step ran all {batch} requests: the first ones finished ({output_len} tokens) "
                          f"before the last ones' prompts ({input_len} tokens) were prefilled; ask for more output")
     return prefill, steps[:-1] if len(steps) > 1 else steps

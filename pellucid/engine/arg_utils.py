@@ -19,7 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory sizing)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="element type of the KV cache: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: "
-                        "twice the tokens in the same memory, keys and values rounded to 8 bits (unscaled)")
+                        "twice the tokens in the same memory, keys and values rounded to 8 bits (scaled by the "
+                        "checkpoint's calibrated k/v scales where it has them, else 1.0)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse KV blocks of shared prompt prefixes (default: on where the model supports it)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,

@@ -18,6 +18,7 @@ from torch import nn
 from pellucid.distributed.parallel_state import tensor_parallel_rank_and_size
 from pellucid.logger import get_logger
 from pellucid.models.fp8_experts import FP8_DTYPE, SCALE_SUFFIX, quantize
+from pellucid.models.kv_cache_scales import KvScaleReader
 from pellucid.models.fp8_linear import (checkpoint_fp8_block, fp8_linears_enabled, keep_fp8_linears,
                                         quantized_weight_names)
 from pellucid.models.parallel_layers import checkpoint_slice
@@ -147,11 +148,14 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     dequantizer = checkpoint_dequantizer(model_dir, checkpoint_files(model_dir), device, read_tensor)
     if dequantizer is not None:
         _log_quantized(model, model_dir, first_param.dtype)
+    kv_scales = KvScaleReader(modules)
     with torch.no_grad():
         for path, name, stored in _iter_checkpoint(model_dir, prefixes):
             if bare and name not in params:
                 name = bare + name
             if name.endswith(_IGNORED_SUFFIXES) or (tied_lm_head and name == "lm_head.weight"):
+                continue
+            if kv_scales.take(name, stored):
                 continue
             target = resolve(name) if resolve is not None else None
             # A target may name the rank's part of the tensor too: (parameter name, index, RankSlice | None).
@@ -197,6 +201,9 @@ def _load_weights(model: nn.Module, model_dir: str) -> None:
     if unexpected:
         raise ValueError(f"checkpoint in {model_dir} has tensors the model does not use (config mismatch?): "
                          f"{_first(unexpected)}")
+    if kv_scales.apply():
+        logger.info("%s has calibrated KV-cache scales for %d attention layers (an FP8 KV cache applies them)",
+                    model_dir, len(kv_scales.scales))
     derived = getattr(model, "derived_parameters", ())
     missing = sorted(name for name, param in params.items() if filled[name] < param.numel() and name not in derived)
     if bare and missing == ["lm_head.weight"]:
@@ -230,13 +237,14 @@ def _log_quantized(model: nn.Module, model_dir: str, dtype: torch.dtype) -> None
                 "batch-1 decode faster, but batched decode slower (pellucid/models/fp8_linear.py)")
     if kept:
         logger.warning("%s is a quantized checkpoint: %s stay in FP8, dequantized as the kernels read them; every "
-                       "other 8-bit weight is dequantized to %s as it loads (activations and the KV cache stay in "
-                       "%s)%s", model_dir, " and ".join(kept), dtype, dtype, hint)
+                       "other 8-bit weight is dequantized to %s as it loads (activations stay in %s; the KV cache "
+                       "too unless --kv-cache-dtype says otherwise)%s", model_dir, " and ".join(kept), dtype, dtype, hint)
     else:
         logger.warning("%s is a quantized checkpoint: its 8-bit weights are dequantized to %s as they load, so it "
                        "serves with the memory and speed of the full-precision model (FP8 is kept only for "
                        "block-wise FP8 checkpoints, where its blocks allow: pellucid/models/fp8_linear.py and "
-                       "fp8_experts.py; activations and the KV cache stay in %s too)%s", model_dir, dtype, dtype, hint)
+                       "fp8_experts.py; activations stay in %s too, and the KV cache unless --kv-cache-dtype says "
+                       "otherwise)%s", model_dir, dtype, dtype, hint)
 
 
 def _bare_backbone_prefix(model: nn.Module, model_dir: str, params: dict[str, nn.Parameter]) -> str:

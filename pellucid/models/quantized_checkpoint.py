@@ -13,8 +13,8 @@ Two families load, both symmetric 8-bit weights, dequantized as code * the scale
 The loader dequantizes each such weight to float32 on the device the model is built on, and the parameter's
 copy rounds it to the model's dtype, which is what transformers' dequantizing loaders compute. Weights the
 checkpoint left in full precision (the router, the LM head, ...) have no scales and load as they are.
-Activation and KV-cache scales (`input_scale`, `k_scale`, ...) are for 8-bit compute and are skipped: the
-model and its KV cache run in the model's dtype.
+Activation scales (`input_scale`, ...) are for 8-bit compute and are skipped: the model runs in its dtype. KV-cache
+scales (`k_scale`, `v_scale`, ...) go to the attention layers (pellucid.models.kv_cache_scales), for an FP8 KV cache.
 
 So a quantized checkpoint serves with the memory and speed of its full-precision original, with one
 exception: a block-wise FP8 checkpoint (quant_method "fp8") keeps its quantized projections (pellucid.models.
@@ -165,7 +165,7 @@ def _compressed_tensors_block(quantization: dict[str, Any], where: str) -> tuple
     if quantization.get("transform_config"):
         raise refuse("a transform config (rotated weights)")
     groups = quantization.get("config_groups") or {}
-    if not groups:
+    if not groups and not quantization.get("kv_cache_scheme"):     # only KV-cache scales: full-precision weights
         raise refuse("no config_groups")
     blocks = set()
     for group_name, group in groups.items():

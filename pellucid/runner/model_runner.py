@@ -11,7 +11,7 @@ import torch
 
 from pellucid.attention.backend import AttentionBackend, get_backend_class
 from pellucid.attention.kv_dtype import resolve_kv_cache_dtype
-from pellucid.models.quantized_checkpoint import read_quantization_config
+from pellucid.models.kv_cache_scales import check_kv_cache_scales
 from pellucid.attention.metadata import ForwardContext, forward_context
 from pellucid.config import EngineConfig
 from pellucid.distributed.parallel_state import get_tensor_parallel
@@ -101,9 +101,7 @@ class ModelRunner:
         self.tp = get_tensor_parallel()
         self.reads_results = self.tp is None or self.tp.is_driver
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
-        if self.kv_dtype != dtype and (read_quantization_config(config.model.model) or {}).get("kv_cache_scheme"):
-            logger.warning("the checkpoint's calibrated KV-cache scales (its kv_cache_scheme) are not applied: the %s "
-                           "cache stores keys and values unscaled", str(self.kv_dtype).removeprefix("torch."))
+        check_kv_cache_scales(model, config.model.model, self.kv_dtype)
         backend_cls = choose_backend(config.runner.attention_backend, device)
         self.backend = backend_cls(model.num_attention_heads, model.num_kv_heads, model.head_dim, dtype, device,
                                    kv_cache_dtype=self.kv_dtype)

@@ -11,11 +11,10 @@ import sys
 import pytest
 import torch
 
-from pellucid.attention.kv_dtype import quantize_kv, resolve_kv_cache_dtype
+from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales, dequantize_kv, quantize_kv, resolve_kv_cache_dtype
 from pellucid.llm import LLM
 from pellucid.sampling_params import SamplingParams
 from tests.gpu.check_support import interpreted_checks, interpreter_runs_loaded_loop_bounds
-from tests.log_records import pellucid_log_records
 from tests.reference import random_prompts
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -33,26 +32,44 @@ def test_quantize_rounds_to_nearest_and_saturates():
         resolve_kv_cache_dtype("int8", torch.bfloat16)
 
 
-def _hf_with_rounded_kv(model_dir: str, kv_dtype: torch.dtype):
+def test_scaled_quantization_picks_the_nearest_fp8_value_of_the_scaled_input():
+    """quantize_kv(x, fp8, s) * s against a brute-force search of every finite FP8 value for x / s's nearest."""
+    x = torch.randn(4000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    for dtype in FP8.values():
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().double()
+        grid = codes[torch.isfinite(codes)]
+        for scale in (1.0, 0.37, 2.9, 0.0071):
+            target = (x / scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+            nearest = grid[(target[:, None] - grid[None, :]).abs().argmin(1)]
+            got = quantize_kv(x.float(), dtype, scale).double()
+            assert torch.equal(got, nearest), (dtype, scale)
+            assert torch.allclose(dequantize_kv(quantize_kv(x.float(), dtype, scale), scale).double(), nearest * scale)
+
+
+def hf_with_rounded_kv(model_dir: str, kv_dtype: torch.dtype, scales: dict[int, KvScales] | None = None):
     """transformers' model of the checkpoint (float32) whose attention gets every key and value rounded to
-    kv_dtype first, as the engine's cache stores them."""
+    kv_dtype first, as the engine's cache stores them: in layer i divided by scales[i] (KvScales), rounded, and
+    multiplied back (scale 1.0 where `scales` has no entry)."""
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     model_type = AutoConfig.from_pretrained(model_dir).model_type
     eager = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}").eager_attention_forward
-    name = f"pellucid_rounded_kv_{str(kv_dtype).removeprefix('torch.')}"
+    scales = scales or {}
+    name = f"pellucid_rounded_kv_{str(kv_dtype).removeprefix('torch.')}_{id(scales)}"
 
     def attention(module, query, key, value, *args, **kwargs):
-        return eager(module, query, quantize_kv(key, kv_dtype).to(key.dtype),
-                     quantize_kv(value, kv_dtype).to(value.dtype), *args, **kwargs)
+        layer = scales.get(module.layer_idx, UNIT_KV_SCALES)
+        key = dequantize_kv(quantize_kv(key, kv_dtype, layer.k), layer.k).to(key.dtype)
+        value = dequantize_kv(quantize_kv(value, kv_dtype, layer.v), layer.v).to(value.dtype)
+        return eager(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, eager_mask)       # the eager function's causal mask
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name).eval()
 
 
-def _hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
 
@@ -74,14 +91,14 @@ def test_engine_equals_transformers_on_rounded_keys_and_values(tiny_model_factor
     llm.generate(prompts[-1:], params[-1], use_tqdm=False)       # caches the shared prefix for the hits below
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert outputs[3].num_cached_tokens >= 32 and outputs[4].num_cached_tokens >= 32
-    rounded = _hf_with_rounded_kv(model_dir, FP8[kv])
-    plain = _hf_with_rounded_kv(model_dir, torch.float32)
+    rounded = hf_with_rounded_kv(model_dir, FP8[kv])
+    plain = hf_with_rounded_kv(model_dir, torch.float32)
     worst = worst_plain = 0.0
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
         sequence = prompt + completion.token_ids
-        ref = _hf_logprobs(rounded, sequence)
-        unrounded = _hf_logprobs(plain, sequence)
+        ref = hf_logprobs(rounded, sequence)
+        unrounded = hf_logprobs(plain, sequence)
         assert completion.token_ids == ref[len(prompt) - 1:-1].argmax(-1).tolist()
         engine = [(pos, tid, position[tid].logprob)
                   for pos, (tid, position) in enumerate(zip(prompt, output.prompt_logprobs or []))
@@ -112,15 +129,17 @@ def test_an_unknown_kv_cache_dtype_is_refused(tiny_model_factory):
 # ---- the Triton kernels on an FP8 cache, under the interpreter ------------------------------------------------
 
 def run_kernel_checks(device: str, half: torch.dtype = torch.bfloat16) -> None:
-    """write_kv stores the torch backend's bytes, and both Triton paths (decode splits, the unified kernel of a
-    mixed batch) attend over the FP8 cache as the torch backend does. `half`: the 16-bit model dtype (the
-    interpreter computes no bfloat16)."""
+    """write_kv stores the torch backend's bytes (with and without calibrated scales), and both Triton paths
+    (decode splits, the unified kernel of a mixed batch) attend over the FP8 cache as the torch backend does.
+    `half`: the 16-bit model dtype (the interpreter computes no bfloat16)."""
     from pellucid.attention.torch_ref import TorchReferenceBackend
     from pellucid.attention.triton_backend import TritonAttentionBackend
     from tests.attention.test_triton_backend import make_case
 
     for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        for seed, q_lens, computed in ((0, [1, 1, 1], [40, 7, 130]), (1, [1, 37, 1, 9], [70, 0, 3, 35])):
+        # The second batch's layer has calibrated scales (not powers of two, so they move the rounding).
+        for seed, q_lens, computed, scales in ((0, [1, 1, 1], [40, 7, 130], UNIT_KV_SCALES),
+                                               (1, [1, 37, 1, 9], [70, 0, 3, 35], KvScales(0.37, 2.9))):
             for dtype in (torch.float32, half):
                 case = make_case(seed, q_lens, computed, 16, 8, 2, 64, dtype, device)
                 outputs, caches = [], []
@@ -131,8 +150,9 @@ def run_kernel_checks(device: str, half: torch.dtype = torch.bfloat16) -> None:
                         backend.decode_min_tokens_per_split = 32
                     # Keys past the largest FP8 value too: the stores saturate alike.
                     cache = (case.kv_cache.float() * 40).to(kv_dtype)
-                    backend.write_kv(case.key * 400, case.value, cache, case.common.slot_mapping)
-                    outputs.append(backend.forward(case.query, cache, backend.build_metadata(case.common), case.scale))
+                    backend.write_kv(case.key * 400, case.value, cache, case.common.slot_mapping, scales)
+                    outputs.append(backend.forward(case.query, cache, backend.build_metadata(case.common), case.scale,
+                                                   scales))
                     caches.append(cache)
                 assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8)), (kv_dtype, seed, dtype)
                 rows = int(case.common.query_start_loc_cpu[case.common.num_reqs])
@@ -146,20 +166,6 @@ def run_kernel_checks(device: str, half: torch.dtype = torch.bfloat16) -> None:
 def test_triton_kernels_on_an_fp8_cache_under_the_interpreter():
     pytest.importorskip("triton")
     interpreted_checks(__file__, "fp8 kv checks passed")
-
-
-def test_calibrated_kv_scales_of_a_checkpoint_are_said_to_be_unused(tiny_model_factory, monkeypatch):
-    """A checkpoint calibrated for an FP8 cache (compressed-tensors' kv_cache_scheme) carries k/v scales this cache
-    does not apply: the engine says so rather than ignoring them quietly."""
-    import pellucid.runner.model_runner as model_runner
-
-    monkeypatch.setattr(model_runner, "read_quantization_config",
-                        lambda _dir: {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}})
-    with pellucid_log_records() as records:
-        for kv in ("auto", "fp8"):
-            LLM(tiny_model_factory("qwen3"), device="cpu", kv_cache_dtype=kv, num_kv_blocks=8, max_model_len=64)
-    warned = [r.getMessage() for r in records if "kv_cache_scheme" in r.getMessage()]
-    assert len(warned) == 1 and "float8_e4m3fn" in warned[0]
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

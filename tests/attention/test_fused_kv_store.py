@@ -15,10 +15,10 @@ class _CountingBackend:
         self.kv_write_is_plain_store = plain
         self.writes = 0
 
-    def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
+    def write_kv(self, key, value, kv_cache, slot_mapping, kv_scales) -> None:
         self.writes += 1
 
-    def forward(self, query, kv_cache, metadata, scale) -> torch.Tensor:
+    def forward(self, query, kv_cache, metadata, scale, kv_scales) -> torch.Tensor:
         return torch.zeros_like(query)
 
 

@@ -27,3 +27,11 @@ def test_only_steps_of_the_whole_batch_are_timed(tiny_model_factory):
     assert min(decoding) < 4                            # the steps after the first request finished are left out
     with pytest.raises(ValueError, match="no decode step ran all 4 requests"):
         _run_batch(llm, 4, 40, 2, seed=1)
+
+
+def test_a_prefill_timing_has_no_decode_steps(tiny_model_factory):
+    """`--prefill-len` times one request with one output token: its prefill alone, no decode step to refuse."""
+    llm = LLM(tiny_model_factory("qwen3"), device="cpu", max_model_len=128, num_kv_blocks=64,
+              max_num_batched_tokens=32)
+    prefill, steps = _run_batch(llm, 1, 90, 1, seed=2)
+    assert prefill > 0 and steps == [] and not llm.has_unfinished_requests()

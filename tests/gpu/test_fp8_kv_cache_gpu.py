@@ -1,7 +1,7 @@
 """An FP8 KV cache on the GPU: the compiled Triton kernels store the torch backend's bytes and attend as it does
 (tests/attention/test_fp8_kv_cache.py runs the same checks under the interpreter on the CPU), and the engine on
 the triton backend with CUDA graphs (chunked prefill, a prefix hit, mixed batches) gives the torch backend's
-greedy tokens and log-probabilities in float32."""
+greedy tokens and log-probabilities in float32, with and without a checkpoint's calibrated KV-cache scales."""
 from __future__ import annotations
 
 import pytest
@@ -20,11 +20,23 @@ def test_fp8_kv_kernels_on_gpu():
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_triton_engine_equals_the_torch_backend_on_an_fp8_cache(tiny_model_factory, arch: str, kv: str):
+    _check_triton_equals_torch(tiny_model_factory(arch), kv)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_triton_engine_applies_a_checkpoints_kv_scales_as_the_torch_backend(tiny_model_factory, tmp_path, arch: str):
+    from tests.models.test_kv_cache_scales import _layer_scales, _num_layers, _with_scales
+
+    src = tiny_model_factory(arch)
+    _check_triton_equals_torch(_with_scales(src, str(tmp_path / "scaled"), _layer_scales(_num_layers(src), seed=5),
+                                            "k_scale"), "fp8")
+
+
+def _check_triton_equals_torch(model_dir: str, kv: str) -> None:
     from pellucid.llm import LLM
     from pellucid.sampling_params import SamplingParams
     from tests.gpu.engine_runs import release
 
-    model_dir = tiny_model_factory(arch)
     shared = random_prompts(3, [48])[0]
     prompts = random_prompts(4, [3, 70, 21, 130]) + [shared + p for p in random_prompts(5, [6, 11, 17])]
     params = [SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True, logprobs=2)

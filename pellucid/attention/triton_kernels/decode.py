@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pellucid.attention.kv_dtype import is_fp8
+from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales, is_fp8
 from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.attention.triton_kernels.norm_rotary import norm_rotate, rotary_factors
 from pellucid.attention.triton_kernels.tile import attend_loaded, attend_tile, kv_tile_rows
@@ -26,7 +26,7 @@ from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_fo
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
-    scale_log2, num_splits,
+    scale_log2, v_scale, num_splits,
     stride_q_t, stride_q_h,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_block_table,
@@ -140,7 +140,7 @@ def _decode_split_kernel(
                                     BLOCK_SIZE=BLOCK_SIZE, MASKED=True, IEEE_DOT=IEEE_DOT)
 
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding) yields zeros, not NaN
-    result = acc / safe_l[:, None]
+    result = acc / safe_l[:, None] * v_scale     # an FP8 cache's value scale (1.0 otherwise: exact)
     store_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT_OUTPUT:
         tl.store(out_ptr + q_row * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
@@ -199,6 +199,7 @@ def decode_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor, scale: float,
     num_splits: int, partial_out: torch.Tensor | None, partial_lse: torch.Tensor | None,
     block_n: int, num_warps: int, num_stages: int, norm_rotary: QKNormRotary | None = None,
+    kv_scales: KvScales = UNIT_KV_SCALES,
 ) -> None:
     """query/out: [T, heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim].
 
@@ -209,6 +210,8 @@ def decode_attention(
     norms and rotates its query heads and the new key itself, and the program whose split holds a request's
     newest position stores its key and value in the cache (at the position's block-table slot), so no
     separate q/k norm + rotary kernel or KV write runs.
+    `kv_scales`: an FP8 cache's (pellucid.attention.kv_dtype); k_scale joins the softmax scale and v_scale scales the
+    output, so the tiles are multiplied as stored.
     An FP8 cache's tiles are converted after they are loaded (to float16 for bfloat16 queries: half_dot); at long
     contexts and large batches the kernel is still slower than on a model-dtype cache, although it reads half the
     bytes (BENCHMARKS.md, "FP8 KV cache").
@@ -226,7 +229,7 @@ def decode_attention(
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         out, po, pl,
-        scale * 1.4426950408889634, num_splits,
+        scale * kv_scales.k * 1.4426950408889634, kv_scales.v, num_splits,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),

@@ -1,5 +1,5 @@
 """Store the new tokens' keys and values into the paged KV cache, skipping padded rows (slot -1); an FP8 cache
-gets them rounded as pellucid.attention.kv_dtype.quantize_kv rounds."""
+gets them scaled and rounded as pellucid.attention.kv_dtype.quantize_kv does."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pellucid.attention.kv_dtype import is_fp8
+from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales, is_fp8
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
 
 
@@ -39,7 +39,7 @@ def fp8_grid(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, LARGEST: tl.const
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_inv_scale, v_inv_scale,
     stride_key_t, stride_key_h, stride_value_t, stride_value_h,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
@@ -63,8 +63,8 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_value_t + head * stride_value_h + dim, mask=mask)
     dst = cache_ptr + block * stride_cache_block + offset * stride_cache_slot + head * stride_cache_head + dim
     if FP8_LARGEST > 0:     # an FP8 cache (pellucid.attention.kv_dtype)
-        k = fp8_grid(k, FP8_MANTISSA, FP8_MIN_EXP, FP8_LARGEST)
-        v = fp8_grid(v, FP8_MANTISSA, FP8_MIN_EXP, FP8_LARGEST)
+        k = fp8_grid(k.to(tl.float32) * k_inv_scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_LARGEST)
+        v = fp8_grid(v.to(tl.float32) * v_inv_scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_LARGEST)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -78,9 +78,10 @@ def _fp8_grid_args(cache_dtype: torch.dtype) -> dict[str, float]:
             "FP8_LARGEST": info.max}
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: KvScales = UNIT_KV_SCALES) -> None:
     """key/value: [T, kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim];
-    slot_mapping: [>= T] (rows past T and rows with slot -1 are not written)."""
+    slot_mapping: [>= T] (rows past T and rows with slot -1 are not written); `kv_scales`: an FP8 cache's."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} shapes differ")
@@ -96,7 +97,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping,
+        key, value, kv_cache, slot_mapping, 1.0 / kv_scales.k, 1.0 / kv_scales.v,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,

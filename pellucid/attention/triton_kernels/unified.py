@@ -13,13 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales
 from pellucid.attention.triton_kernels.tile import attend_tile
 
 
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2, num_reqs,
+    scale_log2, v_scale, num_reqs,
     stride_q_t, stride_q_h,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_block_table,
@@ -80,7 +81,7 @@ def _unified_attention_kernel(
                                     BLOCK_SIZE=BLOCK_SIZE, MASKED=True, IEEE_DOT=IEEE_DOT)
 
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
-    result = acc / safe_l[:, None]
+    result = acc / safe_l[:, None] * v_scale     # an FP8 cache's value scale (1.0 otherwise: exact)
     tl.store(out_ptr + (q_begin + tok[:, None]) * stride_out_t + heads[:, None] * stride_out_h + offs_d[None, :],
              result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -88,11 +89,12 @@ def _unified_attention_kernel(
 def unified_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor, scale: float,
-    block_m: int, block_n: int, num_warps: int, num_stages: int,
+    block_m: int, block_n: int, num_warps: int, num_stages: int, kv_scales: KvScales = UNIT_KV_SCALES,
 ) -> None:
     """query/out: [T, heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, kv_heads, head_dim].
 
-    Writes the rows query_start_loc[0]:query_start_loc[num_reqs] of `out`.
+    Writes the rows query_start_loc[0]:query_start_loc[num_reqs] of `out`. `kv_scales`: an FP8 cache's (k_scale
+    joins the softmax scale, v_scale scales the output).
     """
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -103,7 +105,7 @@ def unified_attention(
     grid = (query.shape[0] // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
         query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
-        scale * 1.4426950408889634, num_reqs,
+        scale * kv_scales.k * 1.4426950408889634, kv_scales.v, num_reqs,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
