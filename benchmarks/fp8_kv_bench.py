@@ -7,7 +7,10 @@ Per batch size, the median engine decode step (CUDA graphs, stepping ahead; `pel
 with the cache in the model's dtype ("auto") and in fp8 (e4m3), and each one's floor: the weights plus the KV at
 the mean context, in the cache's bytes, over the copy bandwidth measured in the same run. Needs CUDA.
 `--sweep` adds rows with other decode-attention tiles for the FP8 cache, and the model-dtype cache with the
-K/V stores that an FP8 cache cannot fuse (rotary + KV store) run apart, as an FP8 cache runs them.
+K/V stores that an FP8 cache cannot fuse (rotary + KV store) run apart, as an FP8 cache runs them. `--kernels`
+first times the attention kernels alone at Llama-3.1-8B's attention shape (benchmarks/attention_bench.py's method:
+decode in CUDA graphs over enough layers' caches to overflow L2, prefill through the unified kernel), bf16 cache
+against FP8.
 """
 from __future__ import annotations
 
@@ -36,6 +39,69 @@ SWEEP = {
 }
 
 
+def _decode_kernel(batch: int, context: int, kv_dtype):
+    """(microseconds per layer of decode attention, its output) at `batch` requests of `context` tokens."""
+    import math
+
+    import torch
+    from attention_bench import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, graph_ms_per_call, paged_metadata
+    from pellucid.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda"),
+                                     kv_cache_dtype=kv_dtype)
+    gen = torch.Generator().manual_seed(batch * 7 + context)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
+    layers = max(1, min(32, math.ceil(4 * torch.cuda.get_device_properties(0).L2_cache_size / kv_bytes)))
+    blocks = batch * math.ceil(context / BLOCK_SIZE) + 8
+    metadata = backend.build_metadata(paged_metadata([1] * batch, [context] * batch, blocks, gen))
+    torch.manual_seed(0)
+    caches = [torch.randn(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+              for _ in range(layers)]
+    query = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = backend.forward(query, caches[0], metadata, HEAD_DIM ** -0.5)
+    ms = graph_ms_per_call([lambda c=c: backend.forward(query, c, metadata, HEAD_DIM ** -0.5) for c in caches])
+    return ms * 1e3, out
+
+
+def _prefill_kernel(q_len: int, prefix: int, kv_dtype) -> float:
+    """Microseconds of the unified kernel for one request's q_len new tokens after a cached prefix."""
+    import math
+
+    import torch
+    from attention_bench import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, median_ms, paged_metadata
+    from pellucid.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda"),
+                                     kv_cache_dtype=kv_dtype)
+    blocks = math.ceil((q_len + prefix) / BLOCK_SIZE) + 8
+    gen = torch.Generator().manual_seed(q_len)
+    metadata = backend.build_metadata(paged_metadata([q_len], [q_len + prefix], blocks, gen))
+    cache = torch.randn(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    query = torch.randn(q_len, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    return median_ms(lambda: backend.forward(query, cache, metadata, HEAD_DIM ** -0.5), rep=100) * 1e3
+
+
+def kernel_tables() -> None:
+    import torch
+
+    rows = []
+    for batch, context in ((1, 200), (1, 8192), (4, 4096), (16, 4096), (64, 4096), (128, 4096), (256, 2048)):
+        auto_us, auto_out = _decode_kernel(batch, context, torch.bfloat16)
+        fp8_us, fp8_out = _decode_kernel(batch, context, torch.float8_e4m3fn)
+        diff = (auto_out.float() - fp8_out.float()).abs().max().item()
+        rows.append([str(batch), str(context), f"{auto_us:.1f}", f"{fp8_us:.1f}", f"{fp8_us / auto_us:.2f}",
+                     f"{diff:.3f}"])
+    print("decode attention alone, Llama-3.1-8B's shape (32 query / 8 KV heads of 128), us per layer")
+    print_table(["batch", "context", "bf16 cache", "fp8 cache", "fp8 / bf16", "max |fp8 - bf16| output"], rows)
+    rows = []
+    for q_len, prefix in ((8192, 0), (512, 4096), (2048, 2048)):
+        auto_us, fp8_us = (_prefill_kernel(q_len, prefix, dt) for dt in (torch.bfloat16, torch.float8_e4m3fn))
+        rows.append([f"{q_len} + {prefix}", f"{auto_us:.0f}", f"{fp8_us:.0f}", f"{fp8_us / auto_us:.2f}"])
+    print("\nprefill through the unified kernel, us")
+    print_table(["new tokens + cached prefix", "bf16 cache", "fp8 cache", "fp8 / bf16"], rows)
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(parser)
@@ -43,7 +109,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="prompt tokens of each request")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--sweep", action="store_true", help="also other FP8 decode tiles (see the docstring)")
+    parser.add_argument("--kernels", action="store_true", help="first time the attention kernels alone")
     args = parser.parse_args()
+    if args.kernels:
+        kernel_tables()
     import os
 
     import torch

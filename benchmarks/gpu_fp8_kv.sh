@@ -17,7 +17,7 @@ for s in $sections; do
     tests) run fp8_kv_tests 240 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_fp8_kv_cache_gpu.py ;;
     attention) run attention_tests 240 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_backend.py \
                  tests/attention/test_triton_norm_rotary.py tests/gpu/test_engine_fused_equal.py ;;
-    bench) run fp8_kv_bench 300 python3 benchmarks/fp8_kv_bench.py --model Llama-3.1-8B --model-cache "$CACHE" \
+    bench) run fp8_kv_bench 360 python3 benchmarks/fp8_kv_bench.py --kernels --model Llama-3.1-8B --model-cache "$CACHE" \
              --batch-sizes 1,16,64 --context 4096 --output-len 160 ;;
     throughput)   # a KV pool that limits the batch: weights ~16 GB of the 28 GB that 0.2 of an H200 gives
       for kv in auto fp8; do

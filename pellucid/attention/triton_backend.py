@@ -80,6 +80,12 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_block_n = 32 if wide else 64
         self.prefill_num_warps = 4 if head_dim <= 64 else 8
         self.prefill_num_stages = 1 if wide else 2
+        if self.quantizes_kv:
+            # FP8 tiles are loaded unpipelined (decode.py). Measured on an H200 (BENCHMARKS.md, "FP8 KV cache"):
+            # small-batch decode programs then do best with 4 warps (batch 4 at 4k tokens 23 us against 30 with 8),
+            # and the unified kernel with one stage (8k-token prefill 2.24 against 2.34 ms).
+            self.decode_num_warps_small_batch = 4
+            self.prefill_num_stages = 1
         logger.debug("triton attention: heads=%d kv_heads=%d head_dim=%d dtype=%s sms=%d",
                      num_heads, num_kv_heads, head_dim, dtype, self.num_sms)
 

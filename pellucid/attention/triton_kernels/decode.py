@@ -18,7 +18,7 @@ import triton.language as tl
 from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales, is_fp8
 from pellucid.attention.norm_rotary import QKNormRotary
 from pellucid.attention.triton_kernels.norm_rotary import norm_rotate, rotary_factors
-from pellucid.attention.triton_kernels.tile import attend_loaded, attend_tile, kv_tile_rows
+from pellucid.attention.triton_kernels.tile import attend_loaded, attend_tile, half_dot, kv_tile_rows
 from pellucid.kernels.pdl import pdl_launch_options, release_dependents, wait_for_previous_kernel
 
 
@@ -37,7 +37,7 @@ def _decode_split_kernel(
     cos_sin_ptr, stride_cs_kind, stride_cs_pos, positions_ptr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, IEEE_DOT: tl.constexpr,
-    NORM_ROTARY: tl.constexpr, HALF_DOT: tl.constexpr, PDL: tl.constexpr,
+    NORM_ROTARY: tl.constexpr, HALF_DOT: tl.constexpr, PIPELINE_KV: tl.constexpr, PDL: tl.constexpr,
 ):
     """NORM_ROTARY: q_ptr, k_ptr and v_ptr are the raw projections of this step's tokens; the kernel applies
     the q/k RMSNorm and rotary itself (see decode_attention) and stores the new K/V in the cache."""
@@ -133,11 +133,21 @@ def _decode_split_kernel(
     if start < end:
         acc, m_i, l_i = attend_loaded(q, acc, m_i, l_i, k, v, pos, n_mask, q_pos, scale_log2,
                                       MASKED=True, IEEE_DOT=IEEE_DOT)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
-        acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-                                    cache_head, q_pos, end, scale_log2, offs_n, offs_d, d_mask,
-                                    stride_cache_block, stride_cache_slot,
-                                    BLOCK_SIZE=BLOCK_SIZE, MASKED=True, IEEE_DOT=IEEE_DOT)
+    if PIPELINE_KV:
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):
+            acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                                        cache_head, q_pos, end, scale_log2, offs_n, offs_d, d_mask,
+                                        stride_cache_block, stride_cache_slot,
+                                        BLOCK_SIZE=BLOCK_SIZE, MASKED=True, IEEE_DOT=IEEE_DOT)
+    else:
+        # An FP8 cache's tiles go from global memory to registers, are converted there, and reach the tensor cores
+        # through shared memory as 16-bit values. Software-pipelined, they would be staged in shared memory as 8-bit
+        # values, which leave it through narrow loads: 1.1-1.5x slower on an H200 (BENCHMARKS.md, "FP8 KV cache").
+        for n0 in tl.range(start + BLOCK_N, end, BLOCK_N, num_stages=1):
+            acc, m_i, l_i = attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                                        cache_head, q_pos, end, scale_log2, offs_n, offs_d, d_mask,
+                                        stride_cache_block, stride_cache_slot,
+                                        BLOCK_SIZE=BLOCK_SIZE, MASKED=True, IEEE_DOT=IEEE_DOT)
 
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding) yields zeros, not NaN
     result = acc / safe_l[:, None] * v_scale     # an FP8 cache's value scale (1.0 otherwise: exact)
@@ -212,9 +222,9 @@ def decode_attention(
     separate q/k norm + rotary kernel or KV write runs.
     `kv_scales`: an FP8 cache's (pellucid.attention.kv_dtype); k_scale joins the softmax scale and v_scale scales the
     output, so the tiles are multiplied as stored.
-    An FP8 cache's tiles are converted after they are loaded (to float16 for bfloat16 queries: half_dot); at long
-    contexts and large batches the kernel is still slower than on a model-dtype cache, although it reads half the
-    bytes (BENCHMARKS.md, "FP8 KV cache").
+    An FP8 cache's tiles are loaded to registers without software pipelining and converted there (to float16 for
+    bfloat16 queries: half_dot), which makes FP8 decode 0.75-0.9x the model-dtype cache's time (BENCHMARKS.md,
+    "FP8 KV cache").
     """
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -240,7 +250,7 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT_OUTPUT=direct,
         IEEE_DOT=query.dtype == torch.float32, NORM_ROTARY=norm_rotary is not None,
-        HALF_DOT=half_dot(query.dtype, k_cache.dtype), num_warps=num_warps,
+        HALF_DOT=half_dot(query.dtype, k_cache.dtype), PIPELINE_KV=not is_fp8(k_cache.dtype), num_warps=num_warps,
         num_stages=num_stages, **pdl_launch_options(query),
     )
     if direct:
@@ -254,13 +264,6 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
         num_warps=4 if head_dim >= 128 else 2, **pdl_launch_options(query),
     )
-
-
-def half_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the split kernel multiplies in float16 rather than the queries' bfloat16: on an FP8 cache, whose
-    values float16 holds exactly and converts to in one instruction per pair (to bfloat16 it takes several), as it
-    holds the bfloat16 queries (but for their tiniest values) and the probabilities more finely."""
-    return is_fp8(cache_dtype) and query_dtype == torch.bfloat16
 
 
 def _norm_rotary_args(norm_rotary: QKNormRotary | None, query: torch.Tensor) -> dict[str, Any]:

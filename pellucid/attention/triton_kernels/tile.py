@@ -1,8 +1,11 @@
 """One step of online-softmax attention over a tile of paged KV, shared by the decode and unified kernels."""
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from pellucid.attention.kv_dtype import is_fp8
 
 
 @triton.jit
@@ -62,3 +65,10 @@ def attend_tile(q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, block_table_row_
     k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     return attend_loaded(q, acc, m_i, l_i, k, v, pos, n_mask, q_pos, scale_log2, MASKED=MASKED, IEEE_DOT=IEEE_DOT)
+
+
+def half_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the attention kernels multiply in float16 rather than the queries' bfloat16: on an FP8 cache, whose
+    values float16 holds exactly and converts to in one instruction per pair (to bfloat16 it takes several), as it
+    holds the bfloat16 queries (but for their tiniest values) and the probabilities more finely."""
+    return is_fp8(cache_dtype) and query_dtype == torch.bfloat16

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from pellucid.attention.kv_dtype import UNIT_KV_SCALES, KvScales
-from pellucid.attention.triton_kernels.tile import attend_tile
+from pellucid.attention.triton_kernels.tile import attend_tile, half_dot
 
 
 @triton.jit
@@ -27,6 +27,7 @@ def _unified_attention_kernel(
     stride_out_t, stride_out_h,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HALF_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,6 +60,8 @@ def _unified_attention_kernel(
     q_mask = row_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + (q_begin + tok[:, None]) * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
                 mask=q_mask, other=0.0)
+    if HALF_DOT:    # an FP8 cache under a bfloat16 model: its tiles convert to float16 in one instruction per pair
+        q = q.to(tl.float16)
     q_pos = num_computed + tok
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -112,5 +115,6 @@ def unified_attention(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        IEEE_DOT=query.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE_DOT=query.dtype == torch.float32, HALF_DOT=half_dot(query.dtype, k_cache.dtype), num_warps=num_warps,
+        num_stages=num_stages,
     )
