@@ -69,6 +69,14 @@ class GraphStepInputs(Protocol):
         returned, queued on the current stream."""
 
 
+def _brief(key: Hashable, limit: int = 160) -> str:
+    """A tap key for the log: whole when short, else its count and start (48 layers' taps made 5 kB lines)."""
+    text = repr(key)
+    if len(text) <= limit:
+        return text
+    return f"({len(key) if isinstance(key, tuple) else '?'} entries) {text[:limit]}..."
+
+
 def require_eager_for_extras_key(key: str) -> None:
     """Steps holding a request with `key` in its extras run eagerly (a feature that hooks the forward)."""
     _EAGER_EXTRAS_KEYS.add(key)
@@ -264,11 +272,11 @@ class DecodeCudaGraphs:
             if key not in self._refused_tap_keys:
                 self._refused_tap_keys.add(key)
                 logger.info("traced steps with taps %s run eagerly: %d tap graph variants are captured already "
-                            "(the cap)", key, len(self._tap_graphs))
+                            "(the cap)", _brief(key), len(self._tap_graphs))
             return False
         self._tap_graphs[(size, key)] = self._capture_one(size, kv_caches, hooks)
         self.buffers.invalidate_rows()
-        logger.info("captured a CUDA graph for decode batch size %d with tracing taps %s", size, key)
+        logger.info("captured a CUDA graph for decode batch size %d with tracing taps %s", size, _brief(key))
         return True
     # ---- tracing tap variants (end) ----
 
