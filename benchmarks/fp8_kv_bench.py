@@ -30,6 +30,8 @@ VARIANTS = {
     "fp8": ("fp8", {}, None),
 }
 SWEEP = {
+    "auto, small-batch tiles by SM count alone": ("auto", {"decode_small_batch_max_reqs": 1 << 20}, None),
+    "fp8, small-batch tiles by SM count alone": ("fp8", {"decode_small_batch_max_reqs_fp8": 1 << 20}, None),
     "auto, K/V stores apart": ("auto", {}, ",".join(k for k in KERNELS if k != "rotary_kv_store")),
     "fp8, tiles x2 tokens": ("fp8", {"decode_block_n_small_batch": 256, "decode_block_n_large_batch": 128}, None),
     "fp8, 8 warps at large batches": ("fp8", {"decode_num_warps": 8}, None),
@@ -110,6 +112,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--sweep", action="store_true", help="also other FP8 decode tiles (see the docstring)")
     parser.add_argument("--kernels", action="store_true", help="first time the attention kernels alone")
+    parser.add_argument("--variants", default=None,
+                        help="semicolon-separated variant names to run (default: auto and fp8, plus --sweep's)")
     args = parser.parse_args()
     if args.kernels:
         kernel_tables()
@@ -124,6 +128,12 @@ def main() -> None:
     rows, pools = [], []
     results: dict[tuple[str, int], float] = {}
     variants = dict(VARIANTS, **(SWEEP if args.sweep else {}))
+    if args.variants:
+        known = dict(VARIANTS, **SWEEP)
+        unknown = [name for name in args.variants.split(";") if name not in known]
+        if unknown:
+            parser.error(f"unknown variants {unknown}; known: {list(known)}")
+        variants = {name: known[name] for name in args.variants.split(";")}
     for name, (kv, knobs, fused) in variants.items():
         args.kv_cache_dtype = kv
         saved = {knob: getattr(TritonAttentionBackend, knob) for knob in knobs}

@@ -43,14 +43,21 @@ class TritonAttentionBackend(AttentionBackend):
     # the graph.
     supports_cuda_graphs = True
     kv_write_is_plain_store = True      # write_kv is kv_write.py's slot store
-    # Tuning knobs, chosen from measurements on an H100 (benchmarks/attention_bench.py): wide KV tiles
-    # when there are fewer (request, kv_head) pairs than SMs (latency-bound), narrower ones otherwise.
+    # Tuning knobs, chosen from measurements on an H100 and an H200 (benchmarks/attention_bench.py,
+    # fp8_kv_bench.py): wide KV tiles for a few requests (latency-bound), narrower ones otherwise.
     decode_block_n_small_batch: int = 128
     decode_block_n_large_batch: int = 64
     # Under PDL a small batch's split program waits with its first KV tile loaded; 8 warps finish the
-    # post-wait work sooner: Qwen3-0.6B batch 1 0.840-0.847 -> 0.832-0.833 ms/step (engine, H100).
+    # post-wait work sooner: Qwen3-0.6B batch 1 0.840-0.847 -> 0.832-0.833 ms/step (engine, H100). FP8 tiles
+    # load unpipelined (decode.py) and do best with 4 (batch 4 at 4k tokens: 23 against 30 us, H200).
     decode_num_warps_small_batch: int = 8
+    decode_num_warps_small_batch_fp8: int = 4
     decode_num_warps: int = 4
+    # The small-batch tiles serve at most this many requests (and fewer (request, kv_head) pairs than SMs). From
+    # 4 requests on, (64, 4) tiles were as fast or faster for a 16-bit cache: 0.76-0.89x the time at 8-32 requests of
+    # 8k tokens; an FP8 cache keeps its wide tiles up to 8 requests (H200, BENCHMARKS.md "FP8 KV cache").
+    decode_small_batch_max_reqs: int = 3
+    decode_small_batch_max_reqs_fp8: int = 8
     decode_num_stages: int = 2
     decode_max_splits: int = 32
     decode_min_tokens_per_split: int = 128
@@ -81,10 +88,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_num_warps = 4 if head_dim <= 64 else 8
         self.prefill_num_stages = 1 if wide else 2
         if self.quantizes_kv:
-            # FP8 tiles are loaded unpipelined (decode.py). Measured on an H200 (BENCHMARKS.md, "FP8 KV cache"):
-            # small-batch decode programs then do best with 4 warps (batch 4 at 4k tokens 23 us against 30 with 8),
-            # and the unified kernel with one stage (8k-token prefill 2.24 against 2.34 ms).
-            self.decode_num_warps_small_batch = 4
+            # FP8 tiles convert as they are read: the unified kernel does best with one stage (an 8k-token prefill
+            # 2.24 against 2.34 ms with two, H200; BENCHMARKS.md, "FP8 KV cache").
             self.prefill_num_stages = 1
         logger.debug("triton attention: heads=%d kv_heads=%d head_dim=%d dtype=%s sms=%d",
                      num_heads, num_kv_heads, head_dim, dtype, self.num_sms)
@@ -100,9 +105,11 @@ class TritonAttentionBackend(AttentionBackend):
                                       dtype=torch.float32, device=device)
             partial_lse = torch.empty(common.num_reqs, self.num_heads, num_splits, dtype=torch.float32,
                                       device=device)
-        small_batch = common.num_reqs * self.num_kv_heads < self.num_sms
+        max_reqs = self.decode_small_batch_max_reqs_fp8 if self.quantizes_kv else self.decode_small_batch_max_reqs
+        small_batch = common.num_reqs <= max_reqs and common.num_reqs * self.num_kv_heads < self.num_sms
         block_n = self.decode_block_n_small_batch if small_batch else self.decode_block_n_large_batch
-        num_warps = self.decode_num_warps_small_batch if small_batch else self.decode_num_warps
+        small_warps = self.decode_num_warps_small_batch_fp8 if self.quantizes_kv else self.decode_num_warps_small_batch
+        num_warps = small_warps if small_batch else self.decode_num_warps
         return TritonAttentionMetadata(common, decode_only, num_splits, block_n, num_warps, num_covered_rows,
                                        partial_out, partial_lse)
 
