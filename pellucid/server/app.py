@@ -515,7 +515,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     the parser of tool_choice "auto", which `enable_auto_tool_choice` allows; `reasoning_parser` splits a
     thinking model's reasoning from its answer; `pooler_config` (vLLM's --pooler-config) overrides how
     /v1/embeddings pools (pellucid/pooling/config.py); `responses_store_size` how many /v1/responses results
-    the server keeps for retrieval and `previous_response_id` (0: none)."""
+    the server keeps for retrieval, `previous_response_id` and background responses (0: none)."""
     PoolerConfig().overridden(pooler_config)       # a bad override fails at start-up
     server = OpenAIServer(async_llm, served_model_name, extract_dir, tool_call_parser, enable_auto_tool_choice,
                           reasoning_parser, pooler_config, responses_store_size)
@@ -531,6 +531,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         finally:
             if task is not None:
                 task.cancel()
+            await server.responses.close()
             await server.extraction.close()
 
     app = FastAPI(title="Pellucid OpenAI-compatible server", version=pellucid.__version__, lifespan=lifespan)
@@ -542,6 +543,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     protected.add_api_route("/v1/responses", _guarded(server, server.responses.create), methods=["POST"])
     protected.add_api_route("/v1/responses/{response_id}", _guarded(server, server.responses.retrieve),
                             methods=["GET"])
+    protected.add_api_route("/v1/responses/{response_id}/cancel", _guarded(server, server.responses.cancel),
+                            methods=["POST"])
     protected.add_api_route("/v1/responses/{response_id}", _guarded(server, server.responses.delete),
                             methods=["DELETE"])
     protected.add_api_route("/v1/embeddings", _guarded(server, server.embeddings.create), methods=["POST"])

@@ -29,7 +29,7 @@ def new_item_id(prefix: str) -> str:
 
 def status_of(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
     """(status, incomplete_details) for the answer's finish reason: cut short by its token limit, incomplete; aborted
-    by the server (shutting down), cancelled."""
+    (a cancelled background response, or the server shutting down), cancelled."""
     if finish_reason == "length":
         return "incomplete", {"reason": "max_output_tokens"}
     if finish_reason == "abort":
@@ -123,7 +123,7 @@ def response_body(request: ResponsesRequest, response_id: str, created_at: float
         "parallel_tool_calls": request.parallel_tool_calls,
         "text": request.text or {"format": {"type": "text"}}, "reasoning": request.reasoning,
         "truncation": "disabled", "metadata": request.metadata or {}, "user": request.user, "store": stored,
-        "background": False, "usage": usage}
+        "background": request.background, "usage": usage}
 
 
 class ResponseEvents:

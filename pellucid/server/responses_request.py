@@ -4,8 +4,8 @@ as the chat completion this server already knows how to run.
 A Responses request is a chat request spelled differently: `input` items instead of `messages`, `instructions`
 as the system turn, `max_output_tokens`, flat function tools, `text.format` for structured output. `to_chat`
 translates it, so the prompt, the sampling, the tool plan and the reasoning split are the chat path's own
-(pellucid/server/app.py). What cannot be served (built-in tools, image or file inputs, background runs, automatic
-truncation) is refused by name.
+(pellucid/server/app.py). What cannot be served (built-in tools, image or file inputs, automatic truncation) is
+refused by name.
 """
 from __future__ import annotations
 
@@ -74,8 +74,6 @@ class ResponsesRequest(_Lenient):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
-        if self.background:
-            raise ProtocolError("background responses are not supported by this server", param="background")
         if self.truncation not in (None, "disabled"):
             raise ProtocolError(f"truncation must be 'disabled' (a prompt longer than the model's context is "
                                 f"refused, not cut), got {self.truncation!r}", param="truncation")

@@ -1,18 +1,21 @@
-"""`/v1/responses`: OpenAI's Responses API over the chat path (create, streamed or not; retrieve and delete
-stored responses).
+"""`/v1/responses`: OpenAI's Responses API over the chat path (create, streamed or not, in the foreground or the
+background; retrieve, cancel and delete stored responses).
 
 A response runs as the chat completion its request translates to (responses_request.py) and reports the answer
 as output items (responses_output.py). With --responses-store-size N the server keeps its last N responses in
 memory, so a client may fetch one again or continue its conversation with `previous_response_id` (the stored
 conversation and output come before the new input; the old instructions do not, as in OpenAI's API). Without it
-nothing is kept: such a response says `"store": false`, and `previous_response_id` is refused.
+nothing is kept: such a response says `"store": false`, and `previous_response_id` and background responses
+(responses_background.py) are refused.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -26,6 +29,7 @@ from pellucid.server.disconnect import EventStream, until_disconnect
 from pellucid.server.metrics import RequestTimer
 from pellucid.server.protocol import ProtocolError
 from pellucid.server.responses import ChoiceTracker
+from pellucid.server.responses_background import BackgroundRun, EventLog
 from pellucid.server.responses_output import (ResponseEvents, logprobs_of, new_item_id, output_items, reasoning_tokens,
                                               response_body, status_of, usage)
 from pellucid.server.responses_request import ResponsesRequest, responses_param, stored_items
@@ -37,27 +41,37 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
+@dataclass
+class _Stored:
+    body: dict[str, Any]
+    items: list[dict[str, Any]]             # what a later response continues from
+    log: EventLog | None = None             # a background response's events
+
+
 class ResponseStore:
-    """The last `capacity` stored responses (least recently used out first): each one's body and the items a
-    later response continues from."""
+    """The last `capacity` stored responses (least recently used out first): each one's body, the items a later
+    response continues from, and a background response's events."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"the responses store size must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self._entries: OrderedDict[str, _Stored] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def put(self, response_id: str, body: dict[str, Any], items: list[dict[str, Any]]) -> None:
-        self._entries[response_id] = (body, items)
+    def put(self, response_id: str, body: dict[str, Any], items: list[dict[str, Any]],
+            log: EventLog | None = None) -> None:
+        """Store (or update) a response; an update keeps the events it had."""
+        earlier = self._entries.get(response_id)
+        self._entries[response_id] = _Stored(body, items, log or (earlier.log if earlier is not None else None))
         self._entries.move_to_end(response_id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def entry(self, response_id: str) -> _Stored:
         if not self.enabled:
             raise ProtocolError("this server keeps no responses; start it with --responses-store-size N to store "
                                 "them", param="response_id", status=404, code="not_found")
@@ -68,6 +82,10 @@ class ResponseStore:
                                 code="not_found")
         self._entries.move_to_end(response_id)
         return entry
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        entry = self.entry(response_id)
+        return entry.body, entry.items
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
@@ -80,6 +98,7 @@ class ServerResponses:
     def __init__(self, server: "OpenAIServer", store_size: int = 0) -> None:
         self.server = server
         self.store = ResponseStore(store_size)
+        self.running: dict[str, BackgroundRun] = {}     # background responses not finished yet
 
     async def create(self, request: Request) -> Response:
         server = self.server
@@ -87,6 +106,8 @@ class ServerResponses:
         body = await server.parse(request, ResponsesRequest)
         server.check_model(body.model)
         body.check_unsupported()
+        if body.background:
+            self._check_background(body)
         if body.reasoning and "reasoning" not in server.ignored_fields:
             server.ignored_fields.add("reasoning")
             logger.warning("ignoring the Responses field 'reasoning' (effort, summary): whether a model thinks is its "
@@ -117,6 +138,8 @@ class ServerResponses:
         stored = body.store and self.store.enabled
         run = _Run(self, body, response_id, conversation, tools, stored, time.time())
         tracker = ChoiceTracker(n=1)
+        if body.background:
+            return self._start_background(run, streams, tracker, timer)
         if body.stream:
             return EventStream(_events(run, streams, tracker, timer))
         finals: dict[int, RequestOutput] = {}
@@ -124,8 +147,77 @@ class ServerResponses:
         return JSONResponse(run.finished(finals[0]))
 
     async def retrieve(self, request: Request) -> Response:
-        body, _ = self.store.get(request.path_params["response_id"])
+        """The stored response; with `?stream=true`, a background response's events after `starting_after`."""
+        entry = self.store.entry(request.path_params["response_id"])
+        if request.query_params.get("stream", "false").lower() not in ("true", "1"):
+            return JSONResponse(entry.body)
+        if entry.log is None:
+            raise ProtocolError("only background responses can be streamed again", param="stream")
+        after = request.query_params.get("starting_after", "-1")
+        try:
+            start = int(after)
+        except ValueError:
+            raise ProtocolError(f"starting_after must be an event's sequence number, got {after!r}",
+                                param="starting_after") from None
+        return EventStream(entry.log.follow(start))
+
+    async def cancel(self, request: Request) -> Response:
+        """Stop a background response; it ends `cancelled` with the output it had. A finished one is returned as
+        it ended (cancelling twice is harmless)."""
+        response_id = request.path_params["response_id"]
+        body, _ = self.store.get(response_id)
+        if not body.get("background"):
+            raise ProtocolError("only background responses can be cancelled", param="response_id")
+        running = self.running.get(response_id)
+        if running is not None:
+            running.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running.task
+        body, _ = self.store.get(response_id)
         return JSONResponse(body)
+
+    async def close(self) -> None:
+        """Cancel the background responses still running (the server is stopping)."""
+        for running in list(self.running.values()):
+            running.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running.task
+
+    def _check_background(self, body: ResponsesRequest) -> None:
+        if not self.store.enabled:
+            raise ProtocolError("background responses are polled from the server's store: start it with "
+                                "--responses-store-size N", param="background")
+        if not body.store:
+            raise ProtocolError("a background response must be stored (store: true)", param="store")
+
+    def _start_background(self, run: "_Run", streams: list[RequestStream], tracker: ChoiceTracker,
+                          timer: RequestTimer) -> Response:
+        """Store the response as queued and run it in a task; a streamed one's events follow its log."""
+        queued = run.response("queued", [])
+        log = EventLog()
+        self.store.put(run.response_id, queued, stored_items(run.conversation, []), log)
+        task = asyncio.get_running_loop().create_task(self._run_background(run, streams, tracker, timer, log))
+        self.running[run.response_id] = BackgroundRun(task, log, streams)
+        return EventStream(log.follow()) if run.body.stream else JSONResponse(queued)
+
+    async def _run_background(self, run: "_Run", streams: list[RequestStream], tracker: ChoiceTracker,
+                              timer: RequestTimer, log: EventLog) -> None:
+        events = ResponseEvents()
+        try:
+            self.store.put(run.response_id, run.response("in_progress", []), stored_items(run.conversation, []))
+            async with contextlib.aclosing(_events(run, streams, tracker, timer, events)) as pieces:
+                async for piece in pieces:
+                    log.append(piece)
+        except asyncio.CancelledError:
+            for stream in streams:      # a task cancelled before it ran never read (and so never aborted) them
+                stream.cancel()
+            for piece in events.finish("abort", run.body.num_logprobs is not None) if events.open else []:
+                log.append(piece)
+            body = run.ended("cancelled", events.items)
+            log.append(events.lifecycle("response.incomplete", body))
+        finally:
+            log.close()
+            self.running.pop(run.response_id, None)
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -164,6 +256,14 @@ class _Run:
             self.routes.store.put(self.response_id, body, stored_items(self.conversation, output))
         return body
 
+    def ended(self, status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        """The body of a response that ended without the engine's final output (cancelled, failed), stored when
+        asked for."""
+        body = self.response(status, output, **fields)
+        if self.stored:
+            self.routes.store.put(self.response_id, body, stored_items(self.conversation, output))
+        return body
+
     def finished(self, final: RequestOutput) -> dict[str, Any]:
         """The non-streamed response for the engine's final output."""
         completion = final.outputs[0]
@@ -172,12 +272,12 @@ class _Run:
         return self.done(final, output_items(answer, logprobs_of(completion, 0, self.body.num_logprobs)))
 
 
-async def _events(run: _Run, streams: list[RequestStream], tracker: ChoiceTracker,
-                  timer: RequestTimer) -> AsyncIterator[str]:
+async def _events(run: _Run, streams: list[RequestStream], tracker: ChoiceTracker, timer: RequestTimer,
+                  events: ResponseEvents | None = None) -> AsyncIterator[str]:
     """The SSE body: created and in_progress, the items' events as the answer grows, then completed or
-    incomplete (failed, with the error, if the request fails)."""
+    incomplete (failed, with the error, if the request fails). `events`: the numbering and items to continue."""
     server = run.routes.server
-    events = ResponseEvents()
+    events = events if events is not None else ResponseEvents()
     answer = ChatAnswerStream(run.tools, server.reasoning_parser)
     yield events.lifecycle("response.created", run.response("in_progress", []))
     yield events.lifecycle("response.in_progress", run.response("in_progress", []))
@@ -204,5 +304,5 @@ async def _events(run: _Run, streams: list[RequestStream], tracker: ChoiceTracke
     except Exception as exc:
         error = server._stream_error(exc)
         code = "invalid_prompt" if error.status == 400 else "server_error"
-        yield events.lifecycle("response.failed", run.response("failed", events.items,
-                                                               error={"code": code, "message": error.message}))
+        yield events.lifecycle("response.failed", run.ended("failed", events.items,
+                                                            error={"code": code, "message": error.message}))

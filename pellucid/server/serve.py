@@ -58,8 +58,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "sentence-transformers files say (default without them: the last token, normalised): "
                         "'{\"pooling_type\": \"last\" | \"mean\" | \"cls\", \"normalize\": true | false}'")
     g.add_argument("--responses-store-size", type=int, default=0, metavar="N",
-                   help="keep the last N /v1/responses results in memory, for GET /v1/responses/{id} and "
-                        "previous_response_id (default 0: none are kept, and such requests are refused)")
+                   help="keep the last N /v1/responses results in memory, for GET /v1/responses/{id}, "
+                        "previous_response_id and background responses (default 0: none are kept, and such "
+                        "requests are refused)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)

@@ -228,7 +228,8 @@ def test_stored_responses_continue_and_are_evicted(client, tokenizer):
 
 
 def test_a_server_without_a_store_refuses_what_needs_one(server):
-    """The default server keeps nothing: its responses say store false, GET is 404, previous_response_id a 400."""
+    """The default server keeps nothing: its responses say store false, GET is 404, previous_response_id a 400
+    (background responses too: tests/server/test_responses_background.py)."""
     made = httpx.post(f"{server.base_url}/responses", timeout=60,
                       json={"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2})
     assert made.status_code == 200 and made.json()["store"] is False, made.text
@@ -267,7 +268,7 @@ def test_a_failing_request_is_a_500_or_a_failed_event_and_frees_its_blocks(threa
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "store"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
