@@ -46,7 +46,8 @@ class EventLog:
 
 @dataclass
 class BackgroundRun:
-    """A background response still running: its task, its events, and what cancelling it must stop."""
+    """A background response still running: its task, its events, and what stopping it must end."""
     task: asyncio.Task[Any]
     log: EventLog
-    streams: list[Any] = field(default_factory=list)     # the engine requests (pellucid.engine.async_llm.RequestStream)
+    run: Any                                             # the response (responses_route._Run)
+    streams: list[Any] = field(default_factory=list)     # its engine requests (pellucid.engine.async_llm.RequestStream)

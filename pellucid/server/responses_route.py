@@ -170,18 +170,26 @@ class ServerResponses:
             raise ProtocolError("only background responses can be cancelled", param="response_id")
         running = self.running.get(response_id)
         if running is not None:
-            running.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await running.task
+            await self.stop(response_id, running)
         body, _ = self.store.get(response_id)
         return JSONResponse(body)
 
     async def close(self) -> None:
         """Cancel the background responses still running (the server is stopping)."""
-        for running in list(self.running.values()):
-            running.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await running.task
+        for response_id, running in list(self.running.items()):
+            await self.stop(response_id, running)
+
+    async def stop(self, response_id: str, running: BackgroundRun) -> None:
+        """Cancel a background response's task and wait for it to store the response as cancelled."""
+        running.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running.task
+        if self.running.pop(response_id, None) is not None:
+            # Cancelled before it first ran: none of its code ran, so end it here.
+            for stream in running.streams:
+                stream.cancel()
+            running.run.ended("cancelled", [])
+            running.log.close()
 
     def _check_background(self, body: ResponsesRequest) -> None:
         if not self.store.enabled:
@@ -197,7 +205,7 @@ class ServerResponses:
         log = EventLog()
         self.store.put(run.response_id, queued, stored_items(run.conversation, []), log)
         task = asyncio.get_running_loop().create_task(self._run_background(run, streams, tracker, timer, log))
-        self.running[run.response_id] = BackgroundRun(task, log, streams)
+        self.running[run.response_id] = BackgroundRun(task, log, run, streams)
         return EventStream(log.follow()) if run.body.stream else JSONResponse(queued)
 
     async def _run_background(self, run: "_Run", streams: list[RequestStream], tracker: ChoiceTracker,

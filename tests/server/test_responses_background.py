@@ -140,3 +140,42 @@ def test_background_needs_a_store(client, server):
     refused = httpx.post(f"{server.base_url}/responses", timeout=30,
                          json={"model": MODEL_NAME, "input": "x", "background": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "background"
+
+
+def test_a_response_cancelled_before_its_task_ran_still_ends_cancelled():
+    """The task of a background response may be cancelled before its first step, when none of its code (and so
+    none of its clean-up) runs: stopping it still aborts its engine requests, stores it cancelled, ends its events."""
+    import asyncio
+
+    from pellucid.server.responses_background import BackgroundRun, EventLog
+    from pellucid.server.responses_route import ServerResponses
+
+    class Stream:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Run:
+        ended_with = None
+
+        def ended(self, status, output):
+            self.ended_with = (status, output)
+
+    async def never_runs():
+        raise AssertionError("the task ran")
+
+    async def scenario():
+        routes = ServerResponses(server=None, store_size=2)
+        stream, run, log = Stream(), Run(), EventLog()
+        running = BackgroundRun(asyncio.get_running_loop().create_task(never_runs()), log, run, [stream])
+        routes.running["resp_1"] = running
+        await routes.stop("resp_1", running)       # no await between create_task and here: it has not started
+        async def follow():
+            return [event async for event in log.follow()]
+        followed = await asyncio.wait_for(follow(), timeout=5)     # an unclosed log would never end
+        return routes, stream, run, log, followed
+
+    routes, stream, run, log, followed = asyncio.run(scenario())
+    assert stream.cancelled and run.ended_with == ("cancelled", []) and log.done and followed == []
+    assert routes.running == {}
