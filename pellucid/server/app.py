@@ -545,6 +545,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                             methods=["GET"])
     protected.add_api_route("/v1/responses/{response_id}/cancel", _guarded(server, server.responses.cancel),
                             methods=["POST"])
+    protected.add_api_route("/v1/responses/{response_id}/input_items",
+                            _guarded(server, server.responses.input_items), methods=["GET"])
     protected.add_api_route("/v1/responses/{response_id}", _guarded(server, server.responses.delete),
                             methods=["DELETE"])
     protected.add_api_route("/v1/embeddings", _guarded(server, server.embeddings.create), methods=["POST"])

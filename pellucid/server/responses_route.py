@@ -1,12 +1,12 @@
 """`/v1/responses`: OpenAI's Responses API over the chat path (create, streamed or not, in the foreground or the
-background; retrieve, cancel and delete stored responses).
+background; retrieve, cancel and delete stored responses, and list their input items).
 
 A response runs as the chat completion its request translates to (responses_request.py) and reports the answer
 as output items (responses_output.py). With --responses-store-size N the server keeps its last N responses in
 memory, so a client may fetch one again or continue its conversation with `previous_response_id` (the stored
 conversation and output come before the new input; the old instructions do not, as in OpenAI's API). Without it
-nothing is kept: such a response says `"store": false`, and `previous_response_id` and background responses
-(responses_background.py) are refused.
+nothing is kept: such a response says `"store": false`, and `previous_response_id`, item references
+(responses_items.py) and background responses (responses_background.py) are refused.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -30,6 +30,7 @@ from pellucid.server.metrics import RequestTimer
 from pellucid.server.protocol import ProtocolError
 from pellucid.server.responses import ChoiceTracker
 from pellucid.server.responses_background import BackgroundRun, EventLog
+from pellucid.server.responses_items import page, resolve_references, with_ids
 from pellucid.server.responses_output import (ResponseEvents, logprobs_of, new_item_id, output_items, reasoning_tokens,
                                               response_body, status_of, usage)
 from pellucid.server.responses_request import ResponsesRequest, responses_param, stored_items
@@ -46,6 +47,7 @@ class _Stored:
     body: dict[str, Any]
     items: list[dict[str, Any]]             # what a later response continues from
     log: EventLog | None = None             # a background response's events
+    inputs: list[dict[str, Any]] = field(default_factory=list)     # its own input items, with ids
 
 
 class ResponseStore:
@@ -63,10 +65,13 @@ class ResponseStore:
         return self.capacity > 0
 
     def put(self, response_id: str, body: dict[str, Any], items: list[dict[str, Any]],
-            log: EventLog | None = None) -> None:
-        """Store (or update) a response; an update keeps the events it had."""
+            log: EventLog | None = None, inputs: list[dict[str, Any]] | None = None) -> None:
+        """Store (or update) a response; an update keeps the events and input items it had."""
         earlier = self._entries.get(response_id)
-        self._entries[response_id] = _Stored(body, items, log or (earlier.log if earlier is not None else None))
+        if earlier is not None:
+            log = log or earlier.log
+            inputs = earlier.inputs if inputs is None else inputs
+        self._entries[response_id] = _Stored(body, items, log, inputs or [])
         self._entries.move_to_end(response_id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -91,6 +96,14 @@ class ResponseStore:
         self.get(response_id)
         del self._entries[response_id]
 
+    def find_item(self, item_id: str) -> dict[str, Any] | None:
+        """The stored input or output item with this id, newest response first (None when none holds it)."""
+        for entry in reversed(self._entries.values()):
+            for item in entry.inputs + entry.items:
+                if item.get("id") == item_id:
+                    return item
+        return None
+
 
 class ServerResponses:
     """The routes of /v1/responses for one OpenAIServer."""
@@ -112,7 +125,8 @@ class ServerResponses:
             server.ignored_fields.add("reasoning")
             logger.warning("ignoring the Responses field 'reasoning' (effort, summary): whether a model thinks is its "
                            "chat template's choice (chat_template_kwargs, e.g. {\"enable_thinking\": false})")
-        conversation = body.input_items()
+        conversation = with_ids(resolve_references(body.input_items(), self.store.find_item))
+        inputs = conversation
         if body.previous_response_id is not None:
             if not self.store.enabled:
                 raise ProtocolError("previous_response_id needs stored responses: start the server with "
@@ -136,7 +150,7 @@ class ServerResponses:
             exc.param = responses_param(exc.param)
             raise
         stored = body.store and self.store.enabled
-        run = _Run(self, body, response_id, conversation, tools, stored, time.time())
+        run = _Run(self, body, response_id, conversation, inputs, tools, stored, time.time())
         tracker = ChoiceTracker(n=1)
         if body.background:
             return self._start_background(run, streams, tracker, timer)
@@ -160,6 +174,16 @@ class ServerResponses:
             raise ProtocolError(f"starting_after must be an event's sequence number, got {after!r}",
                                 param="starting_after") from None
         return EventStream(entry.log.follow(start))
+
+    async def input_items(self, request: Request) -> Response:
+        """A stored response's own input items, a page at a time (`limit`, `order`, `after`, as OpenAI's)."""
+        entry = self.store.entry(request.path_params["response_id"])
+        query = request.query_params
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            raise ProtocolError(f"limit must be an integer, got {query.get('limit')!r}", param="limit") from None
+        return JSONResponse(page(entry.inputs, query.get("order", "desc"), query.get("after"), limit))
 
     async def cancel(self, request: Request) -> Response:
         """Stop a background response; it ends `cancelled` with the output it had. A finished one is returned as
@@ -203,7 +227,7 @@ class ServerResponses:
         """Store the response as queued and run it in a task; a streamed one's events follow its log."""
         queued = run.response("queued", [])
         log = EventLog()
-        self.store.put(run.response_id, queued, stored_items(run.conversation, []), log)
+        self.store.put(run.response_id, queued, stored_items(run.conversation, []), log, run.inputs)
         task = asyncio.get_running_loop().create_task(self._run_background(run, streams, tracker, timer, log))
         self.running[run.response_id] = BackgroundRun(task, log, run, streams)
         return EventStream(log.follow()) if run.body.stream else JSONResponse(queued)
@@ -237,11 +261,13 @@ class _Run:
     """One response being made: what its body echoes, and where it is stored when done."""
 
     def __init__(self, routes: ServerResponses, body: ResponsesRequest, response_id: str,
-                 conversation: list[dict[str, Any]], tools: ToolPlan | None, stored: bool, created_at: float) -> None:
+                 conversation: list[dict[str, Any]], inputs: list[dict[str, Any]], tools: ToolPlan | None,
+                 stored: bool, created_at: float) -> None:
         self.routes = routes
         self.body = body
         self.response_id = response_id
-        self.conversation = conversation
+        self.conversation = conversation        # earlier turns, then this input
+        self.inputs = inputs                    # this input alone
         self.tools = tools
         self.stored = stored
         self.created_at = created_at
@@ -261,7 +287,8 @@ class _Run:
         status, incomplete = status_of(final.outputs[0].finish_reason)
         body = self.response(status, output, usage=self.usage(final), incomplete=incomplete)
         if self.stored:
-            self.routes.store.put(self.response_id, body, stored_items(self.conversation, output))
+            self.routes.store.put(self.response_id, body, stored_items(self.conversation, output),
+                                  inputs=self.inputs)
         return body
 
     def ended(self, status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
@@ -269,7 +296,8 @@ class _Run:
         asked for."""
         body = self.response(status, output, **fields)
         if self.stored:
-            self.routes.store.put(self.response_id, body, stored_items(self.conversation, output))
+            self.routes.store.put(self.response_id, body, stored_items(self.conversation, output),
+                                  inputs=self.inputs)
         return body
 
     def finished(self, final: RequestOutput) -> dict[str, Any]:

@@ -227,6 +227,35 @@ def test_stored_responses_continue_and_are_evicted(client, tokenizer):
     assert gone.value.body["param"] == "previous_response_id"
 
 
+def test_input_items_are_listed_and_referenced_by_id(client, tokenizer):
+    """GET .../input_items lists a response's own input items with ids (newest first by default, in pages); an
+    item_reference to one of them, or to an output item, stands for that item in a later input."""
+    made = client.responses.create(model=MODEL_NAME, max_output_tokens=4, temperature=0, input=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "an answer"}, {"role": "user", "content": [
+            {"type": "input_text", "text": "second "}, {"type": "input_text", "text": "question"}]}])
+    listed = list(client.responses.input_items.list(made.id, order="asc"))
+    assert [(item.role, item.content[0].text) for item in listed] == [
+        ("developer", "Be brief."), ("user", "first question"), ("assistant", "an answer"), ("user", "second ")]
+    assert len(listed[3].content) == 2 and all(item.id.startswith("msg_") for item in listed)
+    newest = client.responses.input_items.list(made.id, limit=2)
+    assert [item.id for item in newest.data] == [listed[3].id, listed[2].id] and newest.has_more
+    rest = client.responses.input_items.list(made.id, limit=2, after=newest.data[-1].id)
+    assert [item.id for item in rest.data] == [listed[1].id, listed[0].id] and not rest.has_more
+    for bad, param in (({"order": "sideways"}, "order"), ({"limit": 0}, "limit"), ({"after": "msg_x"}, "after")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.input_items.list(made.id, **bad)
+        assert refused.value.body["param"] == param
+
+    referenced = client.responses.create(model=MODEL_NAME, max_output_tokens=2, temperature=0, input=[
+        {"type": "item_reference", "id": listed[1].id}, {"type": "item_reference", "id": made.output[-1].id},
+        {"role": "user", "content": "and?"}])
+    chat = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": made.output_text},
+            {"role": "user", "content": "and?"}]
+    assert referenced.usage.input_tokens == len(_template_ids(tokenizer, chat))
+    assert [item.type for item in client.responses.input_items.list(referenced.id, order="asc")] == ["message"] * 3
+
+
 def test_a_server_without_a_store_refuses_what_needs_one(server):
     """The default server keeps nothing: its responses say store false, GET is 404, previous_response_id a 400
     (background responses too: tests/server/test_responses_background.py)."""
@@ -264,7 +293,7 @@ def test_a_failing_request_is_a_500_or_a_failed_event_and_frees_its_blocks(threa
     ({"input": []}, "input"),
     ({"input": [{"role": "critic", "content": "x"}]}, "input.0.role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input.0.content.0"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.id"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
