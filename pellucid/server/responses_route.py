@@ -240,9 +240,7 @@ class ServerResponses:
             async with contextlib.aclosing(_events(run, streams, tracker, timer, events)) as pieces:
                 async for piece in pieces:
                     log.append(piece)
-        except asyncio.CancelledError:
-            for stream in streams:      # a task cancelled before it ran never read (and so never aborted) them
-                stream.cancel()
+        except asyncio.CancelledError:      # (its engine request was aborted as the cancel reached its reader)
             for piece in events.finish("abort", run.body.num_logprobs is not None) if events.open else []:
                 log.append(piece)
             body = run.ended("cancelled", events.items)
@@ -285,15 +283,10 @@ class _Run:
     def done(self, final: RequestOutput, output: list[dict[str, Any]]) -> dict[str, Any]:
         """The finished response's body, stored when asked for."""
         status, incomplete = status_of(final.outputs[0].finish_reason)
-        body = self.response(status, output, usage=self.usage(final), incomplete=incomplete)
-        if self.stored:
-            self.routes.store.put(self.response_id, body, stored_items(self.conversation, output),
-                                  inputs=self.inputs)
-        return body
+        return self.ended(status, output, usage=self.usage(final), incomplete=incomplete)
 
     def ended(self, status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        """The body of a response that ended without the engine's final output (cancelled, failed), stored when
-        asked for."""
+        """The body of a response that ended (finished, cancelled or failed), stored when asked for."""
         body = self.response(status, output, **fields)
         if self.stored:
             self.routes.store.put(self.response_id, body, stored_items(self.conversation, output),
