@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from pellucid.engine.async_llm import AsyncLLM
 from pellucid.sampling_params import SamplingParams
 from pellucid.server.app import build_app
-from server_harness import ENGINE_KWARGS, MODEL_NAME, random_prompts, run_app_in_thread, wait_until
+from server_harness import ENGINE_KWARGS, MODEL_NAME, RunningServer, random_prompts, run_app_in_thread, wait_until
 from tests.log_records import pellucid_log_records
 from tests.step_faults import failing_step
 
@@ -31,12 +31,11 @@ def responses_server(server_model_dir):
     """A server as `pellucid serve --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes
     --responses-store-size 4` builds it."""
     llm = AsyncLLM(server_model_dir, served_model_name=MODEL_NAME, engine_process=False, **ENGINE_KWARGS)
-    url, server, thread = run_app_in_thread(build_app(
+    running = RunningServer(*run_app_in_thread(build_app(
         llm, MODEL_NAME, reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True,
-        responses_store_size=STORE_SIZE))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=30)
+        responses_store_size=STORE_SIZE)), llm=llm)
+    yield running.url
+    running.stop()
     llm.shutdown()
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from pellucid.engine.async_llm import AsyncLLM
 from pellucid.server.app import build_app
-from server_harness import ENGINE_KWARGS, MODEL_NAME, random_prompts, run_app_in_thread, wait_until
+from server_harness import ENGINE_KWARGS, MODEL_NAME, RunningServer, random_prompts, run_app_in_thread, wait_until
 from tests.step_faults import failing_step, slowed_steps
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
@@ -21,18 +21,17 @@ TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 
 @pytest.fixture(scope="module")
 def background_server(server_model_dir):
-    """(base url, the AsyncLLM) of a server with `--responses-store-size 8`, its engine in this process."""
+    """A server with `--responses-store-size 8`, its engine in this process."""
     llm = AsyncLLM(server_model_dir, served_model_name=MODEL_NAME, engine_process=False, **ENGINE_KWARGS)
-    url, server, thread = run_app_in_thread(build_app(llm, MODEL_NAME, responses_store_size=8))
-    yield url, llm
-    server.should_exit = True
-    thread.join(timeout=30)
+    running = RunningServer(*run_app_in_thread(build_app(llm, MODEL_NAME, responses_store_size=8)), llm=llm)
+    yield running
+    running.stop()
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
 def client(background_server):
-    return openai.OpenAI(base_url=f"{background_server[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=background_server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _poll(client, response_id: str, timeout: float = 60.0):
@@ -70,7 +69,7 @@ def test_a_polled_background_response_ends_as_the_foreground_one(client, seed):
 def test_a_cancelled_background_response_stops_and_frees_its_blocks(client, background_server):
     """Cancelled while it runs (steps slowed to 20 ms): status cancelled, the output it had, its KV blocks back;
     cancelling again returns the same response; a foreground response cannot be cancelled."""
-    url, llm = background_server
+    llm = background_server.llm
     with slowed_steps(llm, 0.02):
         started = client.responses.create(model=MODEL_NAME, input="tell me a long story", background=True,
                                           max_output_tokens=400, extra_body={"ignore_eos": True})
@@ -92,7 +91,7 @@ def test_a_cancelled_background_response_stops_and_frees_its_blocks(client, back
 def test_a_streamed_background_response_survives_a_disconnect_and_resumes(client, background_server):
     """The client leaves after a few events; the response goes on, and GET ?stream=true&starting_after=N gives
     the events after N: together every sequence number once, ending with the stored response."""
-    url, llm = background_server
+    url, llm = background_server.url, background_server.llm
     body = {"model": MODEL_NAME, "input": "count to ten", "max_output_tokens": 40, "temperature": 0,
             "background": True, "stream": True, "ignore_eos": True}
     with slowed_steps(llm, 0.01):
@@ -124,7 +123,7 @@ def test_a_streamed_background_response_survives_a_disconnect_and_resumes(client
 
 
 def test_a_failing_background_response_is_stored_as_failed(client, background_server):
-    url, llm = background_server
+    llm = background_server.llm
     with failing_step(llm):
         queued = client.responses.create(model=MODEL_NAME, input="the cat", background=True, max_output_tokens=4)
         failed = _poll(client, queued.id)
